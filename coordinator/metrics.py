@@ -1,0 +1,131 @@
+"""Run metrics: one JSON line per round in ``metrics.jsonl`` and the end-of-run
+``summary.json`` (figures named in issue 3: rounds, losses, bytes, wall seconds)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class RoundMetrics:
+    """What one closed round cost and achieved, as seen by the coordinator."""
+
+    round: int
+    val_loss: float | None  # None when not measured this round
+    train_loss: float | None  # mean of the arrived workers' inner-loop losses
+    arrived: list[int]
+    chosen: list[int]
+    close_reason: str
+    upload_bytes: dict[int, int]  # worker -> frame bytes it pushed this round
+    download_bytes_per_worker: int  # round header + chosen frames sent to each worker
+    round_seconds: float
+    compute_seconds: float | None  # mean over arrived workers
+    wait_seconds: float | None  # mean of round_seconds - compute_seconds over arrived
+    rejected_frames: int
+    late_frames: int
+
+    @property
+    def upload_bytes_mean(self) -> float | None:
+        values = list(self.upload_bytes.values())
+        return sum(values) / len(values) if values else None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["upload_bytes"] = {str(k): v for k, v in self.upload_bytes.items()}
+        data["upload_bytes_per_worker"] = self.upload_bytes_mean
+        return json.dumps(_finite(data), sort_keys=True)
+
+
+@dataclass
+class RunTotals:
+    """Running totals kept across rounds (and across a resume, via the checkpoint)."""
+
+    rounds: int = 0
+    initial_val_loss: float | None = None
+    final_val_loss: float | None = None
+    upload_bytes: int = 0
+    uploads: int = 0
+    download_bytes: int = 0
+    downloads: int = 0
+    rejected_frames: int = 0
+    late_frames: int = 0
+    extra_state_fetches: int = 0  # FetchState calls after a worker's first (resyncs)
+    wall_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, m: RoundMetrics, n_receivers: int) -> None:
+        self.rounds = m.round + 1
+        if m.val_loss is not None:
+            self.final_val_loss = m.val_loss
+        self.upload_bytes += sum(m.upload_bytes.values())
+        self.uploads += len(m.upload_bytes)
+        self.download_bytes += m.download_bytes_per_worker * n_receivers
+        self.downloads += n_receivers
+        self.rejected_frames += m.rejected_frames
+        self.late_frames += m.late_frames
+
+    def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
+        up = self.upload_bytes / self.uploads if self.uploads else None
+        down = self.download_bytes / self.downloads if self.downloads else None
+        return _finite({
+            "rounds": self.rounds,
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": self.final_val_loss,
+            "upload_bytes_per_worker_round": up,
+            "download_bytes_per_worker_round": down,
+            "dense_fp32_bytes": dense_fp32_bytes,
+            "upload_ratio_vs_dense_fp32": up / dense_fp32_bytes if up and dense_fp32_bytes else None,
+            # Workers do not report digest checks on the wire; the launcher may fill this in.
+            "digest_mismatches": 0,
+            "resync_state_fetches": self.extra_state_fetches,
+            "rejected_frames": self.rejected_frames,
+            "late_frames": self.late_frames,
+            "wall_seconds": self.wall_seconds,
+            **self.extra,
+        })
+
+
+class MetricsWriter:
+    """Appends round lines to ``run_dir/metrics.jsonl`` and writes ``summary.json``."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write_round(self, m: RoundMetrics) -> None:
+        with open(self.run_dir / METRICS_FILE, "a") as f:
+            f.write(m.to_json() + "\n")
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        return write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
+
+
+def write_json_atomic(path: Path, data: Any) -> Path:
+    """Write JSON to ``path`` through a temp file and a rename."""
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN: non-finite floats become None, recursively."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,125 @@
+"""The state of one round on the coordinator: open, accept validated frames, close by a
+pluggable policy (all arrived, decodable under gradient coding, or the deadline), and the
+chosen frames with their coefficients (round protocol: docs/protocol.md)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from coordinator.gradient_coding import GradientCode
+
+
+@dataclass
+class Arrival:
+    """One accepted frame and what the worker reported with it."""
+
+    worker: int
+    data: bytes  # the frame bytes exactly as received (they are broadcast as they are)
+    frame: Any  # compression.Frame, already validated against the layout
+    compute_seconds: float = 0.0
+    train_loss: float = float("nan")
+    partitions: tuple[int, ...] = ()
+    received_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which frames a closing round uses.
+
+    ``coefficients`` are the decoding coefficients a_i with sum_i a_i m_i equal to the sum
+    of ``covered`` partitions' pseudo-gradients, so the mean is sum_i (a_i / covered) m_i.
+    """
+
+    coefficients: dict[int, float]
+    covered: int
+    reason: str  # "all arrived" | "decodable" | "deadline" | ...
+
+
+class ClosePolicy(Protocol):
+    """Decides when a round may close and with which coefficients."""
+
+    def decide(self, arrived: list[int], deadline_passed: bool) -> Decision | None:
+        """A decision, or None to keep waiting."""
+
+
+class CodePolicy:
+    """Close as soon as the gradient code can decode the arrived set (scheme ``none``: all
+    n arrived). At the deadline, take whatever arrived, each frame with coefficient 1, so
+    the update is the mean over the arrived frames (none arrived: an empty update)."""
+
+    def __init__(self, code: GradientCode) -> None:
+        self.code = code
+
+    def decide(self, arrived: list[int], deadline_passed: bool) -> Decision | None:
+        decoded = self.code.decode(arrived) if arrived else None
+        if decoded is not None:
+            reason = "all arrived" if len(arrived) == self.code.n else "decodable"
+            kept = {i: a for i, a in decoded.items() if a != 0.0}
+            return Decision(kept, self.code.n, reason)
+        if deadline_passed:
+            return Decision({i: 1.0 for i in sorted(arrived)}, len(arrived), "deadline")
+        return None
+
+
+class RoundError(ValueError):
+    """A push that the open round refuses (wrong round, duplicate, closed)."""
+
+
+class RoundState:
+    """One round: its number, its arrivals, its deadline and, once closed, its decision."""
+
+    def __init__(self, round: int, deadline_s: float) -> None:
+        self.round = round
+        self.deadline_s = deadline_s
+        self.opened_at: float | None = None
+        self.arrivals: dict[int, Arrival] = {}
+        self.decision: Decision | None = None
+        self.rejected = 0
+        self.late = 0
+
+    def open(self) -> None:
+        """Start the deadline clock (pushes are accepted before it, e.g. while joining)."""
+        self.opened_at = time.monotonic()
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None and self.decision is None
+
+    @property
+    def closed(self) -> bool:
+        return self.decision is not None
+
+    def seconds_left(self) -> float:
+        if self.opened_at is None:
+            return self.deadline_s
+        return self.opened_at + self.deadline_s - time.monotonic()
+
+    def check_push(self, worker: int, round: int) -> None:
+        """Raise RoundError naming the problem when ``worker`` may not push for ``round``."""
+        if round != self.round or self.closed:
+            state = "closed" if self.closed else "open"
+            raise RoundError(f"frame for round {round} but round {self.round} is {state}")
+        if worker in self.arrivals:
+            raise RoundError(f"worker {worker} already pushed a frame for round {round}")
+
+    def accept(self, arrival: Arrival) -> None:
+        self.check_push(arrival.worker, arrival.frame.round)
+        self.arrivals[arrival.worker] = arrival
+
+    def try_close(self, policy: ClosePolicy) -> Decision | None:
+        """Ask the policy; on a decision the round is closed and keeps it."""
+        if self.closed:
+            return self.decision
+        if self.opened_at is None:
+            return None
+        decision = policy.decide(sorted(self.arrivals), self.seconds_left() <= 0)
+        self.decision = decision
+        return decision
+
+    def chosen(self) -> list[tuple[Arrival, float]]:
+        """The chosen arrivals with their coefficients, in worker order."""
+        if self.decision is None:
+            return []
+        return [(self.arrivals[i], a) for i, a in sorted(self.decision.coefficients.items())]

@@ -1,0 +1,340 @@
+"""The real coordinator on a loopback port, driven by raw gRPC clients built from the stubs
+and the real codec: bad calls are refused with a reason and leave the round untouched, good
+rounds reproduce the header digest, deadlines close rounds, checkpoints resume."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from compression import Compressor, Layout, apply_frames, decode_frame, encode_dense
+from coordinator.server import Coordinator
+from geoloco import wire
+from geoloco.config import load_config
+from geoloco.state import param_digest
+from protos import geoloco_pb2 as pb
+from protos import geoloco_pb2_grpc
+
+TOKEN = "test-token"
+RPC_TIMEOUT_S = 60.0
+
+
+def make_config(**overrides):
+    base = {
+        "workers": 2, "rounds": 3, "seed": 0,
+        "task.model": "gpt-tiny", "task.seq_len": 16, "task.batch_size": 4,
+        "task.val_batches": 1, "task.corpus_bytes": 100_000,
+        "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
+        "coordinator.deadline_s": 60.0, "coordinator.join_timeout_s": 60.0,
+        "coordinator.checkpoint_every": 0,
+    }
+    base.update(overrides)
+    return load_config(overrides=base)
+
+
+@contextmanager
+def running(cfg, run_dir: Path, resume: bool = False) -> Iterator[Coordinator]:
+    coordinator = Coordinator(cfg, run_dir, resume=resume)
+    coordinator.start()
+    try:
+        yield coordinator
+    finally:
+        coordinator.stop(grace=0.5)
+
+
+class RawWorker:
+    """A worker reduced to the wire: stubs, the codec, and nothing of worker/."""
+
+    def __init__(self, port: int, cfg) -> None:
+        self.cfg = cfg
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.CHANNEL_OPTIONS)
+        self.stub = geoloco_pb2_grpc.CoordinatorStub(self.channel)
+        self.rounds_call = None
+
+    def join(self, token: str = TOKEN, **kwargs) -> pb.JoinReply:
+        reply = self.stub.Join(pb.JoinRequest(token=token, **kwargs), timeout=RPC_TIMEOUT_S)
+        self.id, self.session = reply.worker_id, reply.session
+        self.layout_digest = reply.layout_digest
+        return reply
+
+    def fetch_state(self, layout: Layout) -> tuple[int, str, list[torch.Tensor]]:
+        chunks = list(self.stub.FetchState(
+            pb.FetchStateRequest(worker_id=self.id, session=self.session), timeout=RPC_TIMEOUT_S))
+        data = b"".join(c.data for c in chunks)
+        assert len(data) == chunks[0].total_bytes
+        params = [t.clone() for t in decode_frame(data, layout).to_dense("cpu")]
+        assert param_digest(params) == chunks[0].digest
+        self.task = chunks[0].task
+        return chunks[0].round, chunks[0].digest, params
+
+    def follow(self, from_round: int) -> None:
+        self.rounds_call = self.stub.Rounds(
+            pb.RoundsRequest(worker_id=self.id, session=self.session, from_round=from_round),
+            timeout=RPC_TIMEOUT_S)
+
+    def next_round(self) -> tuple[pb.RoundHeader, bytes]:
+        """The next RoundHeader and its frame bytes (keepalives skipped)."""
+        header, data = None, b""
+        for update in self.rounds_call:
+            if update.HasField("header"):
+                header = update.header
+            elif update.HasField("data"):
+                data += update.data
+            if header is not None and len(data) == sum(f.nbytes for f in header.frames):
+                return header, data
+        raise AssertionError("Rounds stream ended before a round result")
+
+    def push(self, round: int, data: bytes, worker_id: int | None = None, session: str | None = None,
+             total_bytes: int | None = None, send: bytes | None = None) -> pb.PushReply:
+        header = pb.PushHeader(
+            worker_id=self.id if worker_id is None else worker_id,
+            session=self.session if session is None else session, round=round,
+            total_bytes=len(data) if total_bytes is None else total_bytes,
+            compute_seconds=0.5, train_loss=3.0, partitions=[self.id])
+        body = data if send is None else send
+        msgs = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in wire.chunks(body)]
+        return self.stub.Push(iter(msgs), timeout=RPC_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.rounds_call is not None:
+            self.rounds_call.cancel()
+        self.channel.close()
+
+
+@pytest.fixture
+def workers():
+    made: list[RawWorker] = []
+
+    def make(port: int, cfg) -> RawWorker:
+        made.append(RawWorker(port, cfg))
+        return made[-1]
+
+    yield make
+    for w in made:
+        w.close()
+
+
+def sparse_frame(cfg, layout: Layout, worker: int, round: int) -> bytes:
+    gen = torch.Generator().manual_seed(1000 * round + worker)
+    deltas = [torch.randn(s.shape, generator=gen) * 1e-3 for s in layout.specs]
+    compressor = Compressor(layout, density=cfg.compression.density, beta=cfg.compression.ef_beta,
+                            tile=cfg.compression.tile)
+    return compressor.compress(deltas, round=round, sender=worker)
+
+
+def apply_round(params: list[torch.Tensor], layout: Layout, header: pb.RoundHeader,
+                data: bytes) -> str:
+    frames, offset = [], 0
+    for info in header.frames:
+        frames.append(decode_frame(data[offset:offset + info.nbytes], layout))
+        offset += info.nbytes
+    apply_frames(params, frames, [f.weight for f in header.frames], mode=header.aggregation,
+                 alpha=header.alpha)
+    return param_digest(params)
+
+
+def joined(coordinator: Coordinator, make, n: int) -> list[RawWorker]:
+    out = []
+    for _ in range(n):
+        w = make(coordinator.port, coordinator.cfg)
+        w.join(capabilities=pb.Capabilities(device="cpu", hostname="test"))
+        out.append(w)
+    return out
+
+
+def rejected(reply: pb.PushReply, *words: str) -> None:
+    assert not reply.accepted, "a bad push was accepted"
+    for word in words:
+        assert word in reply.reason, f"{word!r} not in reason {reply.reason!r}"
+
+
+def test_health_and_wrong_token(tmp_path, workers):
+    cfg = make_config()
+    with running(cfg, tmp_path / "run") as coordinator:
+        channel = grpc.insecure_channel(f"127.0.0.1:{coordinator.port}")
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="geoloco.v1.Coordinator"), timeout=10)
+        channel.close()
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        assert (tmp_path / "run" / "coordinator.port").read_text().strip() == str(coordinator.port)
+        w = workers(coordinator.port, cfg)
+        with pytest.raises(grpc.RpcError) as err:
+            w.join(token="not-the-token")
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "wrong token" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            w.join(reclaim_worker_id=0, reclaim_session="forged")
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_bad_pushes_are_rejected_and_the_round_completes(tmp_path, workers):
+    cfg = make_config()
+    with running(cfg, tmp_path / "run") as coordinator:
+        a, b = joined(coordinator, workers, 2)
+        layout = coordinator.layout
+        assert a.layout_digest == layout.digest
+        r, digest, params = a.fetch_state(layout)
+        assert r == 0 and list(a.task.train_partitions) == [a.id]
+        a.follow(0)
+        b.follow(0)
+        good_a, good_b = sparse_frame(cfg, layout, a.id, 0), sparse_frame(cfg, layout, b.id, 0)
+
+        rejected(a.push(0, good_a, worker_id=7), "unknown worker 7")
+        rejected(a.push(0, good_a, session="forged"), "bad session")
+        rejected(a.push(1, sparse_frame(cfg, layout, a.id, 1)), "round 1", "round 0")
+        other = Layout.from_named_tensors([("w", torch.zeros(64, 64))])
+        rejected(a.push(0, sparse_frame(cfg, other, a.id, 0)), "layout")
+        rejected(a.push(0, good_a[:-7]), "")  # truncated, honest length: the codec refuses it
+        rejected(a.push(0, good_a, send=good_a[:-7]), "truncated")
+        flipped = bytearray(good_a)
+        flipped[len(flipped) // 2] ^= 0x10
+        rejected(a.push(0, bytes(flipped)), "")
+        rejected(a.push(0, good_b), "worker")  # b's frame under a's name
+        cut_mid_frame(a, good_a)
+
+        assert a.push(0, good_a).accepted  # nothing above took a's slot in round 0
+        rejected(a.push(0, good_a), "already pushed")
+        assert b.push(0, good_b).accepted
+        ha, da = a.next_round()
+        hb, db = b.next_round()
+        assert ha.round == 0 and list(ha.arrived) == [0, 1] and not ha.finished
+        assert ha.digest == hb.digest and da == db and ha.frames == hb.frames
+        assert da == good_a + good_b
+        assert apply_round(params, layout, ha, da) == ha.digest == coordinator.digest()
+        assert list(ha.next_task.train_partitions) == [a.id]
+        assert list(hb.next_task.train_partitions) == [b.id]
+
+        rejected(a.push(0, good_a), "frame for round 0 but round 1")
+        line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        assert line["round"] == 0 and line["arrived"] == [0, 1]
+        assert line["rejected_frames"] >= 8
+        assert line["upload_bytes"] == {"0": len(good_a), "1": len(good_b)}
+
+
+def cut_mid_frame(w: RawWorker, data: bytes) -> None:
+    """Push a header and half the frame, then cancel the call as a dying worker would."""
+    release = threading.Event()
+
+    def messages():
+        yield pb.PushChunk(header=pb.PushHeader(worker_id=w.id, session=w.session, round=0,
+                                                total_bytes=len(data)))
+        yield pb.PushChunk(data=data[: len(data) // 2])
+        release.wait(10)
+
+    future = w.stub.Push.future(messages(), timeout=RPC_TIMEOUT_S)
+    time.sleep(0.3)
+    future.cancel()
+    release.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        future.result()
+    time.sleep(0.2)
+
+
+def test_deadline_closes_round_without_a_worker(tmp_path, workers, monkeypatch):
+    monkeypatch.setattr(wire, "KEEPALIVE_S", 0.2)
+    cfg = make_config(**{"coordinator.deadline_s": 1.5})
+    with running(cfg, tmp_path / "run") as coordinator:
+        a, b = joined(coordinator, workers, 2)
+        _, _, params = a.fetch_state(coordinator.layout)
+        a.follow(0)
+        b.follow(0)  # b follows but never pushes: a dead straggler
+        first = next(iter(b.rounds_call))
+        assert first.HasField("keepalive") and first.keepalive.round == 0
+        frame = sparse_frame(cfg, coordinator.layout, a.id, 0)
+        assert a.push(0, frame).accepted
+        started = time.monotonic()
+        header, data = a.next_round()
+        assert time.monotonic() - started < 10
+        assert list(header.arrived) == [a.id] and [f.sender for f in header.frames] == [a.id]
+        assert header.frames[0].weight == 1.0  # the mean over the one arrived frame
+        assert apply_round(params, coordinator.layout, header, data) == header.digest
+        assert b.next_round()[0].digest == header.digest
+        line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        assert line["close_reason"] == "deadline"
+
+
+def test_reconnected_rounds_stream_replays_missed_results(tmp_path, workers):
+    cfg = make_config(workers=1)
+    with running(cfg, tmp_path / "run") as coordinator:
+        (a,) = joined(coordinator, workers, 1)
+        a.fetch_state(coordinator.layout)
+        a.follow(0)
+        for r in range(2):
+            assert a.push(r, sparse_frame(cfg, coordinator.layout, a.id, r)).accepted
+            a.next_round()
+        a.rounds_call.cancel()
+        a.follow(0)
+        assert [a.next_round()[0].round for _ in range(2)] == [0, 1]
+
+
+def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, workers):
+    run_dir = tmp_path / "run"
+    cfg = make_config(workers=1, rounds=3, **{"coordinator.checkpoint_every": 1})
+    with running(cfg, run_dir) as coordinator:
+        (a,) = joined(coordinator, workers, 1)
+        a.fetch_state(coordinator.layout)
+        a.follow(0)
+        assert a.push(0, sparse_frame(cfg, coordinator.layout, a.id, 0)).accepted
+        header, _ = a.next_round()
+        deadline = time.monotonic() + 30
+        while not list((run_dir / "checkpoints").glob("round_00000001.pt")):
+            assert time.monotonic() < deadline, "no checkpoint after round 0"
+            time.sleep(0.05)
+        session = a.session
+    a.close()
+
+    with running(cfg, run_dir, resume=True) as resumed:
+        assert resumed.rs.round == 1 and resumed.digest() == header.digest
+        w = workers(resumed.port, cfg)
+        reply = w.join(reclaim_worker_id=0, reclaim_session=session)
+        assert reply.worker_id == 0 and reply.current_round == 1
+        r, digest, params = w.fetch_state(resumed.layout)
+        assert (r, digest) == (1, header.digest)
+        w.follow(1)
+        for r in (1, 2):
+            assert w.push(r, sparse_frame(cfg, resumed.layout, 0, r)).accepted
+            h, data = w.next_round()
+            assert apply_round(params, resumed.layout, h, data) == h.digest
+        assert h.finished and h.round == 2
+        assert resumed.wait(timeout=30)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("rounds", "initial_val_loss", "final_val_loss", "upload_bytes_per_worker_round",
+                "dense_fp32_bytes", "digest_mismatches", "wall_seconds"):
+        assert key in summary
+    assert summary["rounds"] == 3 and summary["dense_fp32_bytes"] > 4 * resumed.layout.numel - 1
+    assert summary["upload_bytes_per_worker_round"] < summary["dense_fp32_bytes"] / 10
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_diloco_broadcasts_one_dense_nesterov_frame(tmp_path, workers):
+    cfg = make_config(**{"compression.method": "diloco"})
+    with running(cfg, tmp_path / "run") as coordinator:
+        a, b = joined(coordinator, workers, 2)
+        layout = coordinator.layout
+        _, _, params = a.fetch_state(layout)
+        a.follow(0)
+        gen = torch.Generator().manual_seed(0)
+        deltas = {w.id: [torch.randn(s.shape, generator=gen) * 1e-3 for s in layout.specs]
+                  for w in (a, b)}
+        sparse = sparse_frame(cfg, layout, a.id, 0)
+        rejected(a.push(0, sparse), "sparse")
+        for w in (a, b):
+            frame = encode_dense(layout, deltas[w.id], round=0, sender=w.id, dtype="fp32")
+            assert w.push(0, frame).accepted
+        header, data = a.next_round()
+        assert len(header.frames) == 1 and header.alpha == 1.0 and header.aggregation == "sum"
+        before = [p.clone() for p in params]
+        assert apply_round(params, layout, header, data) == header.digest
+        lr, mu = cfg.outer.lr, cfg.outer.momentum
+        for j, (p0, p1) in enumerate(zip(before, params, strict=True)):
+            mean = (deltas[0][j] + deltas[1][j]) / 2
+            torch.testing.assert_close(p1 - p0, -lr * (1 + mu) * mean, rtol=1e-4, atol=1e-7)
