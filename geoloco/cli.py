@@ -1,0 +1,194 @@
+"""The ``geoloco`` command: ``local`` (coordinator + workers on emulated WAN links),
+``coordinator`` and ``worker``; a config file plus flags, mapped onto geoloco.config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from geoloco.config import ConfigError, RunConfig, load_config
+
+EXIT_CONFIG_ERROR = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# flag attribute -> config field; only flags given on the command line override the file
+LOCAL_FLAGS = {
+    "workers": "workers", "rounds": "rounds", "run_dir": "run_dir", "wan": "network.wan",
+    "method": "compression.method", "model": "task.model", "inner_steps": "inner.steps",
+    "scheme": "coding.scheme", "stragglers": "coding.stragglers",
+    "per_worker_wan": "network.per_worker", "straggler": "stragglers.per_worker",
+    "seed": "seed", "deadline": "coordinator.deadline_s",
+}
+# `geoloco local` without --config: sized so 4 workers on 2 CPU cores finish in a few minutes
+# (gpt-tiny, 20 rounds of H = 10 inner steps on 16 x 64-byte sequences).
+LOCAL_DEMO_DEFAULTS = {"rounds": "20", "inner.steps": "10", "inner.warmup_steps": "10"}
+COORDINATOR_FLAGS = {
+    "listen": "coordinator.listen", "workers": "workers", "rounds": "rounds",
+    "run_dir": "run_dir", "token": "coordinator.token", "deadline": "coordinator.deadline_s",
+}
+WORKER_FLAGS = {
+    "coordinator": "worker.coordinator", "device": "worker.device",
+    "connect_timeout": "worker.connect_timeout_s", "token": "coordinator.token",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit code (2 for configuration errors)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as exc:
+        print(f"geoloco: config error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="geoloco",
+        description="Cross-region training: SparseLoCo compression and gradient coding over gRPC.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_local(sub)
+    _add_coordinator(sub)
+    _add_worker(sub)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="run configuration (TOML or JSON)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override one config field, e.g. --set inner.steps=30 (repeatable)")
+    p.add_argument("--log-file", metavar="FILE", help="also write the log to FILE")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _add_local(sub: Any) -> None:
+    p = sub.add_parser("local", help="coordinator + N workers on this machine behind emulated WAN links",
+                       description="Start the coordinator and N worker processes on loopback, each "
+                       "behind a link emulator, show progress and end with a summary table. Without "
+                       "--config the run is demo-sized: "
+                       + ", ".join(f"{k}={v}" for k, v in LOCAL_DEMO_DEFAULTS.items()) + ".")
+    _common(p)
+    p.add_argument("--workers", type=int, metavar="N", help="number of worker processes")
+    p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
+    p.add_argument("--wan", metavar="PROFILE", help="link profile of every worker, e.g. 20mbit/50ms")
+    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go")
+    p.add_argument("--method", choices=("sparseloco", "diloco"), help="SparseLoCo or the dense DiLoCo baseline")
+    p.add_argument("--model", help="model preset: gpt-tiny | gpt-small | gpt-medium | gpt-100m")
+    p.add_argument("--inner-steps", type=int, metavar="H", help="inner AdamW steps per round")
+    p.add_argument("--scheme", help="straggler policy: none | ignore | gc-fr | gc-cr | pgc-fr | pgc-cr")
+    p.add_argument("--stragglers", type=int, metavar="S", help="stragglers tolerated per round")
+    p.add_argument("--per-worker-wan", metavar="P0,P1,...", help="per-worker link profiles, by worker id")
+    p.add_argument("--straggler", metavar="P0,P1,...",
+                   help="per-worker straggler profiles, e.g. none,none,fixed:4")
+    p.add_argument("--seed", type=int, help="run seed (model init, data order)")
+    p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
+    p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail when no round closes for this long (default: deadline + 120 s)")
+    p.set_defaults(run=_run_local)
+
+
+def _add_coordinator(sub: Any) -> None:
+    p = sub.add_parser("coordinator", help="run the coordinator (gRPC server)",
+                       description="Serve the round protocol to the workers and write the run directory.")
+    _common(p)
+    p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (port 0: pick a free one)")
+    p.add_argument("--workers", type=int, metavar="N", help="workers expected before round 0 opens")
+    p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
+    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go")
+    p.add_argument("--token", help="shared secret the workers present")
+    p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.set_defaults(run=_run_coordinator)
+
+
+def _add_worker(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run one worker against a coordinator",
+                       description="Join a coordinator, train on the assigned partitions, push frames "
+                       "and apply round results until the run finishes.")
+    _common(p)
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address")
+    p.add_argument("--token", help="the run's shared secret (default: coordinator.token)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="training device")
+    p.add_argument("--connect-timeout", type=float, metavar="SECONDS",
+                   help="give up (exit 1) when the coordinator stays unreachable this long")
+    p.add_argument("--wan-emulate", metavar="PROFILE",
+                   help="relay through an in-process link emulator with this profile (for hosts without netem)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
+    p.add_argument("--wait-for", metavar="FILE", help=argparse.SUPPRESS)  # launcher: join order
+    p.set_defaults(run=_run_worker)
+
+
+def resolve_config(args: argparse.Namespace, flags: dict[str, str],
+                   defaults: dict[str, str] | None = None) -> RunConfig:
+    """``defaults`` (only without --config) or the config file, then ``--set`` overrides,
+    then the dedicated flags given."""
+    overrides: dict[str, Any] = dict(defaults or {}) if not args.config else {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. inner.steps=30")
+        overrides[key.strip()] = value.strip()
+    for attr, key in flags.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            overrides[key] = str(value)
+    return load_config(args.config, overrides)
+
+
+def configure_logging(log_file: str | None, verbose: bool = False) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT,
+                        handlers=handlers, force=True)
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args, LOCAL_FLAGS, LOCAL_DEMO_DEFAULTS)
+    configure_logging(args.log_file, args.verbose)
+    from geoloco.launcher import run_local
+
+    return run_local(cfg, stall_timeout_s=args.stall_timeout)
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args, COORDINATOR_FLAGS)
+    configure_logging(args.log_file, args.verbose)
+    from coordinator.server import run_coordinator
+
+    return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args, WORKER_FLAGS)
+    configure_logging(args.log_file, args.verbose)
+    if args.wan_emulate:
+        _check_profile(args.wan_emulate)
+    from worker.main import run_worker
+
+    return run_worker(
+        cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
+        connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
+        wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
+    )
+
+
+def _check_profile(text: str) -> None:
+    from geoloco.link_profile import LinkProfile, LinkProfileError
+
+    try:
+        LinkProfile.parse(text)
+    except LinkProfileError as exc:
+        raise ConfigError(f"--wan-emulate: {exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""``geoloco local``: the coordinator and N worker processes on loopback, each worker behind
+its own link emulator relay, with live progress from metrics.jsonl and a summary table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from geoloco.config import RunConfig
+from geoloco.link_emulator import RelayThread
+
+log = logging.getLogger(__name__)
+
+PORT_FILE = "coordinator.port"
+START_TIMEOUT_S = 120.0  # coordinator start-up (imports, task build) and each worker's join
+POLL_S = 0.25
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+LOG_TAIL_LINES = 30
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+STALE = ("metrics.jsonl", "summary.json", PORT_FILE)
+
+
+class LaunchError(RuntimeError):
+    """A process of the local run died, or the run stalled; the message says which."""
+
+
+@dataclass
+class Child:
+    """One process of the run and the log file its output goes to."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+
+    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        self.log_file.flush()
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def run_local(cfg: RunConfig, stall_timeout_s: float | None = None) -> int:
+    """Run a whole training job locally; returns the exit code (0: finished cleanly)."""
+    run = LocalRun(cfg, stall_timeout_s)
+    previous = _raise_on_signals()
+    try:
+        run.start()
+        run.watch()
+    except LaunchError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        log.warning("interrupted: stopping the coordinator and the workers")
+        return EXIT_INTERRUPTED
+    finally:
+        run.stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    run.report()
+    return 0
+
+
+def _raise_on_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so either stops the whole run cleanly
+    (also when the launcher was started with SIGINT ignored, as background jobs are)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    return {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+class LocalRun:
+    """The processes and relays of one local run and the progress read from its run dir."""
+
+    def __init__(self, cfg: RunConfig, stall_timeout_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.stall_timeout_s = stall_timeout_s or cfg.coordinator.deadline_s + 120.0
+        self.coordinator: Child | None = None
+        self.workers: list[Child] = []
+        self.relays: list[RelayThread] = []
+        self.exits = contextlib.ExitStack()
+        self.metrics_offset = 0
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        self._prepare_dir()
+        port = self._start_coordinator()
+        for i in range(self.cfg.workers):
+            relay = self.exits.enter_context(
+                RelayThread(target=("127.0.0.1", port), profile=self.cfg.network.profile_for(i), seed=self.cfg.seed + i)
+            )
+            self.relays.append(relay)
+            self.workers.append(self._spawn(f"worker-{i}", self._worker_args(i, relay.port)))
+        for i in range(self.cfg.workers):
+            self._admit(i)
+        log.info("run %s: coordinator on port %d, %d workers joined (links: %s)", self.run_dir, port,
+                 self.cfg.workers, ", ".join(str(self.cfg.network.profile_for(i)) for i in range(self.cfg.workers)))
+
+    def _prepare_dir(self) -> None:
+        """Clear what a previous run left in the run dir, then create its folders."""
+        for sub in ("logs", "workers", "checkpoints"):
+            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
+        for name in STALE:
+            (self.run_dir / name).unlink(missing_ok=True)
+        for sub in ("logs", "workers"):
+            (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
+        config = self.cfg.to_dict()
+        config["coordinator"]["listen"] = "127.0.0.1:0"
+        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def _start_coordinator(self) -> int:
+        args = ["coordinator", "--config", str(self.run_dir / "config.json"),
+                "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)]
+        self.coordinator = self._spawn("coordinator", args)
+        port_file = self.run_dir / PORT_FILE
+        self._wait(lambda: port_file.exists() and port_file.read_text().strip().isdigit(),
+                   "the coordinator to write its port")
+        return int(port_file.read_text().strip())
+
+    def _worker_args(self, i: int, relay_port: int) -> list[str]:
+        return ["worker", "--coordinator", f"127.0.0.1:{relay_port}", "--token", self.cfg.coordinator.token,
+                "--device", self.cfg.worker.device, "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
+                "--report-dir", str(self.run_dir / "workers"),
+                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}")]
+
+    def _admit(self, i: int) -> None:
+        """Open worker i's gate and wait for its join, so worker ids follow process order and
+        each worker's relay carries its own per-worker link profile."""
+        (self.run_dir / "workers" / f"gate-{i}").touch()
+        report = self.run_dir / "workers" / f"worker-{i}.json"
+        self._wait(report.exists, f"worker process {i} to join")
+        pid = json.loads(report.read_text())["pid"]
+        if pid != self.workers[i].proc.pid:
+            raise LaunchError(f"worker process {i} (pid {self.workers[i].proc.pid}) got another id than {i}")
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        path = self.run_dir / "logs" / f"{name}.log"
+        out = open(path, "wb")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # one thread per process by default
+            env.setdefault(var, "1")
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+        return Child(name, proc, path, out)
+
+    def _wait(self, ready: Any, what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready():
+            self._check_children()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"timed out after {START_TIMEOUT_S:g}s waiting for {what}")
+            time.sleep(POLL_S)
+
+    # ------------------------------------------------------------------ watch
+
+    def watch(self) -> None:
+        """Print progress until the coordinator exits 0 and every worker has exited 0."""
+        last_progress = time.monotonic()
+        while self.coordinator.proc.poll() is None:
+            if self._print_new_rounds():
+                last_progress = time.monotonic()
+            self._check_children()
+            if time.monotonic() - last_progress > self.stall_timeout_s:
+                raise LaunchError(f"run stalled: no round closed for {self.stall_timeout_s:g}s; "
+                                  f"coordinator log tail:\n{self.coordinator.tail()}")
+            time.sleep(POLL_S)
+        self._print_new_rounds()
+        self._check_children()
+        self._wait(lambda: all(w.proc.poll() is not None for w in self.workers), "the workers to exit")
+        self._check_children()
+
+    def _check_children(self) -> None:
+        for child in [self.coordinator, *self.workers]:
+            code = child.proc.poll() if child else None
+            if code not in (None, 0):
+                raise LaunchError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                                  f"{child.tail()}")
+
+    def _print_new_rounds(self) -> bool:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return False
+        with open(path) as f:
+            f.seek(self.metrics_offset)
+            text = f.read()
+        complete = text[: text.rfind("\n") + 1]
+        self.metrics_offset += len(complete.encode())
+        for line in complete.splitlines():
+            if line.strip():
+                print(progress_line(json.loads(line), self.cfg.rounds), flush=True)
+        return bool(complete)
+
+    # ------------------------------------------------------------------ stop and report
+
+    def stop(self) -> None:
+        """Stop whatever still runs (SIGTERM, then SIGKILL), close relays and logs."""
+        children = [c for c in [self.coordinator, *self.workers] if c is not None]
+        for child in children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            if child.proc.poll() is None:
+                child.proc.kill()
+                child.proc.wait()
+            child.log_file.close()
+        self.exits.close()
+
+    def report(self) -> None:
+        """Add the workers' digest checks and the relays' bytes to summary.json; print it."""
+        summary_path = self.run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        workers = self.worker_reports()
+        summary["digest_mismatches"] = sum(w.get("resyncs", 0) for w in workers)
+        summary["worker_final_digests"] = {str(w["worker_id"]): w.get("digest") for w in workers}
+        summary["relay_bytes"] = {str(i): {"up": r.bytes_up, "down": r.bytes_down} for i, r in enumerate(self.relays)}
+        summary.setdefault("wall_seconds", time.monotonic() - self.started)
+        tmp = summary_path.with_name(".summary.json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        tmp.replace(summary_path)
+        print(summary_table(summary, workers, self.run_dir), flush=True)
+
+    def worker_reports(self) -> list[dict[str, Any]]:
+        paths = sorted((self.run_dir / "workers").glob("worker-*.json"))
+        return [json.loads(p.read_text()) for p in paths]
+
+
+def progress_line(m: dict[str, Any], rounds: int) -> str:
+    """One line per closed round: loss, bytes per worker, compute vs wait, round time."""
+    arrived = m.get("arrived") or []
+    return (
+        f"round {m['round'] + 1:>3}/{rounds}  val {_num(m.get('val_loss'), '.4f')}  "
+        f"train {_num(m.get('train_loss'), '.4f')}  "
+        f"up {_bytes(m.get('upload_bytes_per_worker'))}/worker  "
+        f"down {_bytes(m.get('download_bytes_per_worker'))}/worker  "
+        f"compute {_num(m.get('compute_seconds'), '.2f')}s  wait {_num(m.get('wait_seconds'), '.2f')}s  "
+        f"round {_num(m.get('round_seconds'), '.2f')}s  arrived {len(arrived)}"
+    )
+
+
+def summary_table(summary: dict[str, Any], workers: list[dict[str, Any]], run_dir: Path) -> str:
+    up, dense = summary.get("upload_bytes_per_worker_round"), summary.get("dense_fp32_bytes")
+    rows = [
+        ("rounds", str(summary.get("rounds"))),
+        ("val loss", f"{_num(summary.get('initial_val_loss'), '.4f')} -> {_num(summary.get('final_val_loss'), '.4f')}"),
+        ("upload / worker / round", f"{_bytes(up)} (dense fp32 {_bytes(dense)}, "
+                                    f"ratio {_num(up / dense if up and dense else None, '.4f')})"),
+        ("download / worker / round", _bytes(summary.get("download_bytes_per_worker_round"))),
+        ("digest mismatches", str(summary.get("digest_mismatches"))),
+        ("wall seconds", _num(summary.get("wall_seconds"), ".1f")),
+    ]
+    lines = [f"summary of {run_dir}"] + [f"  {k:<27}{v}" for k, v in rows]
+    lines.append(f"  {'worker':<8}{'relay up':>12}{'relay down':>12}{'resyncs':>9}  final digest")
+    relays = summary.get("relay_bytes", {})
+    for w in workers:
+        r = relays.get(str(w["worker_id"]), {})
+        lines.append(f"  {w['worker_id']:<8}{_bytes(r.get('up')):>12}{_bytes(r.get('down')):>12}"
+                     f"{w.get('resyncs', 0):>9}  {(w.get('digest') or '-')[:16]}")
+    return "\n".join(lines)
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _bytes(value: Any) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"

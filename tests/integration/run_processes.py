@@ -1,0 +1,106 @@
+"""Helpers for integration tests that start real ``geoloco`` processes on loopback: small
+configs, free ports, process groups that are always cleaned up, run-dir readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator import checkpoint
+from geoloco.state import param_digest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "integration"
+# gpt-tiny with short sequences and few inner steps: a round takes well under a second.
+SMALL = {
+    "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
+    "task.val_batches": "2", "task.corpus_bytes": "300000",
+    "inner.steps": "8", "inner.warmup_steps": "4", "inner.lr": "3e-3",
+    "coordinator.token": TOKEN, "coordinator.join_timeout_s": "60",
+}
+
+
+def set_flags(values: dict[str, Any]) -> list[str]:
+    """``--set key=value`` for every item."""
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Processes started by one test; ``cleanup`` kills whatever is still running."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, name: str, timeout: float) -> int:
+        try:
+            return self.procs[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still running after {timeout}s; log:\n{self.log(name)[-3000:]}") from None
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def cleanup(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(poll)
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def worker_reports(report_dir: Path) -> dict[int, dict[str, Any]]:
+    reports = [json.loads(p.read_text()) for p in sorted(report_dir.glob("worker-*.json"))]
+    return {r["worker_id"]: r for r in reports}
+
+
+def final_coordinator_digest(run_dir: Path) -> tuple[int, str]:
+    """Round and parameter digest of the newest checkpoint (the final one after a run)."""
+    ckpt = checkpoint.load_latest(run_dir)
+    assert ckpt is not None, f"no checkpoint in {run_dir}"
+    return ckpt.round, param_digest([t.to(torch.float32) for t in ckpt.params.values()])

@@ -1,0 +1,173 @@
+"""Worker-side faults with real processes: an unreachable coordinator (retry with backoff,
+one log line per attempt, non-zero exit), a worker SIGKILLed mid-run (the round closes at
+its deadline, the others finish), and a coordinator restarted with ``--resume`` (the
+workers reclaim their ids, resync and finish on the coordinator's digest), and a replica
+that drifts (digest mismatch: it fetches the state again and finishes in step)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from run_processes import (
+    SMALL,
+    TOKEN,
+    Processes,
+    final_coordinator_digest,
+    free_port,
+    metrics,
+    set_flags,
+    wait_until,
+    worker_reports,
+)
+
+from coordinator.server import Coordinator
+from geoloco.config import load_config
+from geoloco.state import param_digest
+from worker.client import WorkerClient, WorkerOptions
+
+pytestmark = pytest.mark.slow
+WORKERS = 3
+
+
+@pytest.fixture
+def processes(tmp_path: Path):
+    procs = Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.cleanup()
+
+
+def start_coordinator(processes: Processes, run_dir: Path, listen: str, rounds: int,
+                      extra: dict[str, str], resume: bool = False, name: str = "coordinator") -> None:
+    args = ["coordinator", "--listen", listen, "--workers", str(WORKERS), "--rounds", str(rounds),
+            "--run-dir", str(run_dir), *set_flags({**SMALL, **extra})]
+    processes.start(name, args + (["--resume"] if resume else []))
+
+
+def start_workers(processes: Processes, address: str, report_dir: Path) -> None:
+    for i in range(WORKERS):
+        processes.start(f"worker-{i}", ["worker", "--coordinator", address, "--token", TOKEN,
+                                        "--device", "cpu", "--connect-timeout", "60",
+                                        "--report-dir", str(report_dir)])
+
+
+def read_port(run_dir: Path) -> int:
+    port_file = run_dir / "coordinator.port"
+    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 60,
+               "the coordinator to write its port")
+    return int(port_file.read_text())
+
+
+def test_unreachable_coordinator_retries_then_exits_non_zero(processes: Processes) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    processes.start("worker", ["worker", "--coordinator", address, "--connect-timeout", "3"])
+    code = processes.wait("worker", timeout=60)
+    elapsed = time.monotonic() - start
+    log = processes.log("worker")
+    assert code != 0
+    attempts = [line for line in log.splitlines() if "join attempt" in line]
+    assert len(attempts) >= 3, log  # 0.5 s, 1 s, 2 s back-off inside 3 s
+    assert all(address in line for line in attempts)
+    assert "unreachable" in log.splitlines()[-1] and address in log.splitlines()[-1], log
+    assert elapsed < 40
+
+
+def test_killed_worker_round_closes_at_deadline_and_others_finish(processes: Processes, tmp_path: Path) -> None:
+    run_dir, reports = tmp_path / "run", tmp_path / "reports"
+    rounds, deadline = 3, 15.0
+    start_coordinator(processes, run_dir, "127.0.0.1:0", rounds,
+                      {"coordinator.deadline_s": str(deadline), "coordinator.checkpoint_every": "0",
+                       "inner.steps": "4", "task.batch_size": "4"})
+    port = read_port(run_dir)
+    start_workers(processes, f"127.0.0.1:{port}", reports)
+    wait_until(lambda: len(metrics(run_dir)) >= 1, 90, "round 0 to close")
+    victim = worker_reports(reports)[0]["pid"]
+    name = next(n for n, p in processes.procs.items() if p.pid == victim)
+    processes.kill(name)
+
+    assert processes.wait("coordinator", timeout=120) == 0, processes.log("coordinator")[-3000:]
+    survivors = [n for n in processes.procs if n.startswith("worker") and n != name]
+    for n in survivors:
+        assert processes.wait(n, timeout=30) == 0, processes.log(n)[-3000:]
+    lines = metrics(run_dir)
+    assert len(lines) == rounds
+    last = lines[-1]
+    assert last["arrived"] == [1, 2], last  # worker 0 is dead: the round closed at its deadline
+    assert last["round_seconds"] >= deadline - 0.2, last
+    _, digest = final_coordinator_digest(run_dir)
+    finished = worker_reports(reports)
+    for wid in (1, 2):
+        assert finished[wid]["status"] == "finished" and finished[wid]["digest"] == digest
+
+
+def test_restarted_coordinator_with_resume_lets_workers_reclaim_and_finish(
+    processes: Processes, tmp_path: Path
+) -> None:
+    run_dir, reports = tmp_path / "run", tmp_path / "reports"
+    rounds, listen = 6, f"127.0.0.1:{free_port()}"
+    extra = {"coordinator.checkpoint_every": "1", "coordinator.deadline_s": "60"}
+    start_coordinator(processes, run_dir, listen, rounds, extra)
+    start_workers(processes, listen, reports)
+    wait_until(lambda: len(metrics(run_dir)) >= 2, 120, "two rounds to close")
+    processes.kill("coordinator")
+    time.sleep(1.0)  # the workers see their streams break and start retrying
+    start_coordinator(processes, run_dir, listen, rounds, extra, resume=True, name="coordinator-2")
+
+    assert processes.wait("coordinator-2", timeout=120) == 0, processes.log("coordinator-2")[-3000:]
+    for i in range(WORKERS):
+        assert processes.wait(f"worker-{i}", timeout=30) == 0, processes.log(f"worker-{i}")[-3000:]
+    round_, digest = final_coordinator_digest(run_dir)
+    assert round_ == rounds
+    finished = worker_reports(reports)
+    assert sorted(finished) == [0, 1, 2]
+    for report in finished.values():
+        assert report["status"] == "finished" and report["digest"] == digest
+        assert report["reconnects"] >= 1
+    assert "rejoined as worker" in processes.log("worker-0")
+
+
+class DriftingWorker(WorkerClient):
+    """A real worker whose replica drifts once: after applying round ``drift_round`` it
+    flips a parameter, as a bad memory bit or a non-deterministic kernel would."""
+
+    drift_round = 0
+
+    def _apply_frames(self, result) -> bool:
+        if result.header.round == self.drift_round and not self.stats["resyncs"]:
+            with torch.no_grad():
+                self.theta[0].view(-1)[0] += 1e-3
+        return super()._apply_frames(result)
+
+
+def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Path) -> None:
+    cfg = load_config(overrides={**SMALL, "workers": "2", "rounds": "3", "coordinator.listen": "127.0.0.1:0",
+                                 "coordinator.checkpoint_every": "0", "coordinator.deadline_s": "120"})
+    coordinator = Coordinator(cfg, tmp_path / "run")
+    port = coordinator.start()
+    options = [WorkerOptions(address=f"127.0.0.1:{port}", token=TOKEN, device="cpu",
+                             connect_timeout_s=30, report_dir=tmp_path / "reports") for _ in range(2)]
+    workers = [DriftingWorker(options[0]), WorkerClient(options[1])]
+    codes: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True)
+               for i, w in enumerate(workers)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert coordinator.wait(timeout=60)
+    finally:
+        for w in workers:
+            w.close()
+        coordinator.stop(grace=0.5)
+    assert codes == {0: 0, 1: 0}
+    digest = param_digest(coordinator.params)
+    reports = worker_reports(tmp_path / "reports")
+    assert sorted(r["resyncs"] for r in reports.values()) == [0, 1]
+    assert all(r["digest"] == digest and r["status"] == "finished" for r in reports.values())

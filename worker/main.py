@@ -1,0 +1,72 @@
+"""Entry point of one worker process: optional in-process link emulation in front of the
+coordinator address, then the worker client until the run finishes (exit 0) or fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from geoloco.link_profile import LinkProfile
+from worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
+
+log = logging.getLogger(__name__)
+
+EXIT_FAILED = 1  # the run could not be joined or followed to its end
+EXIT_INTERRUPTED = 130
+
+
+def run_worker(
+    coordinator: str,
+    token: str,
+    device: str = "auto",
+    connect_timeout_s: float = 60.0,
+    report_dir: str | Path | None = None,
+    wan_emulate: str | None = None,
+    threads: int = 1,
+    wait_for: str | Path | None = None,
+) -> int:
+    """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
+    ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
+    ``wait_for`` delays the Join until that file exists (the local launcher orders joins)."""
+    torch.set_num_threads(threads)
+    if wait_for is not None:
+        _wait_for_file(Path(wait_for))
+    options = WorkerOptions(address=coordinator, token=token, device=device,
+                            connect_timeout_s=connect_timeout_s,
+                            report_dir=Path(report_dir) if report_dir else None)
+    try:
+        with _link(coordinator, wan_emulate) as address:
+            options.address = address
+            return WorkerClient(options).run()
+    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError) as exc:
+        log.error("worker failed: %s", exc)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        log.warning("worker interrupted")
+        return EXIT_INTERRUPTED
+
+
+@contextlib.contextmanager
+def _link(address: str, profile: str | None) -> Iterator[str]:
+    """The address to dial: ``address`` itself, or a local relay emulating ``profile``."""
+    if not profile:
+        yield address
+        return
+    from geoloco.link_emulator import RelayThread
+
+    host, _, port = address.rpartition(":")
+    link = LinkProfile.parse(profile)
+    with RelayThread(target=(host, int(port)), profile=link, seed=0) as relay:
+        log.info("emulating link %s to %s through 127.0.0.1:%d", link, address, relay.port)
+        yield f"127.0.0.1:{relay.port}"
+
+
+def _wait_for_file(path: Path, poll_s: float = 0.05) -> None:
+    while not path.exists():
+        time.sleep(poll_s)
