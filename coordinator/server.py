@@ -41,7 +41,6 @@ PORT_FILE = "coordinator.port"
 CONFIG_FILE = "config.json"
 HISTORY_ROUNDS = 8  # closed rounds kept for Rounds streams that reconnect behind
 HISTORY_BYTES = 256 << 20  # ... and at most this many frame bytes of them (dense DiLoCo)
-FINISH_WAIT_S = 5.0  # after the last round, how long workers get to receive `finished`
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # larger models: val loss only at checkpoints/end
 FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers and tables
@@ -317,7 +316,7 @@ class Coordinator:
                  _fmt(self.totals.final_val_loss), path)
 
     def _wait_finish_delivered(self) -> None:
-        deadline = time.monotonic() + FINISH_WAIT_S
+        deadline = time.monotonic() + self.cfg.coordinator.deadline_s
         with self.lock:
             while not self.stopping and time.monotonic() < deadline:
                 live = {i for i, r in self.registry.records.items() if r.live}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -177,7 +178,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                 return
             yield from self._round_messages(worker, closed)
             if closed.finished:
+                _await_hang_up(context, self.core.cfg.coordinator.deadline_s)
                 self.core.mark_finish_delivered(worker)
+                return
                 return
 
     def _round_messages(self, worker: int, closed: ClosedRound) -> Iterator[pb.RoundUpdate]:
@@ -195,3 +198,11 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         except RegistryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
+
+
+def _await_hang_up(context: grpc.ServicerContext, limit_s: float) -> None:
+    """Hold a finished stream open until the worker hangs up: it does so only after it
+    has received and applied the last result, so the final bytes are not cut off."""
+    deadline = time.monotonic() + limit_s
+    while context.is_active() and time.monotonic() < deadline:
+        time.sleep(0.05)
