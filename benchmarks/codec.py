@@ -1,0 +1,189 @@
+"""How many bytes does the SparseLoCo codec send, how fast does it encode and decode, and
+how much error does the 2-bit quantizer add?
+
+    python -m benchmarks.codec            # 4096x4096 fp32 matrix + a ~24M-parameter GPT layout
+    python -m benchmarks.codec --quick    # small smoke sizes
+
+Definitions (all GB/s count fp32 pseudo-gradient bytes, 4 per parameter):
+- encode: ``Compressor.compress`` (error feedback, top-k, quantize, code, frame).
+- decode+apply: ``decode_frame`` + ``apply_frames`` into fp32 parameters.
+- ef_pass: ``e.mul_(beta).add_(delta)`` on the compressor's own buffers, same run.
+- rel_error_vs_exact_topk: from a zero error state, ``||decoded - topk(e)|| / ||topk(e)||``
+  where ``topk(e)`` keeps the exact per-chunk top-k of ``e`` unquantized (the error the
+  2-bit values add on top of sparsification).
+- entropy bound: ``log2(C(4096, 64)) / 64`` bits per index, the least any index code can
+  average for 64 positions out of 4096.
+Timings are the median of several repeats after a warm-up (numba compilation excluded).
+The JSON line (last) sums over the workloads: bytes / params, fp32 bytes / total seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import torch
+
+from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame
+
+BETA = 0.95
+
+
+def gpt_layout(vocab: int, d: int, layers: int, ctx: int) -> Layout:
+    """Parameter layout of a GPT-2-style model (tied head), built from specs alone."""
+    f = torch.float32
+    specs = [TensorSpec("wte", (vocab, d), f), TensorSpec("wpe", (ctx, d), f)]
+    for i in range(layers):
+        p = f"h{i}."
+        specs += [
+            TensorSpec(p + "ln1.weight", (d,), f), TensorSpec(p + "ln1.bias", (d,), f),
+            TensorSpec(p + "attn.c_attn.weight", (d, 3 * d), f), TensorSpec(p + "attn.c_attn.bias", (3 * d,), f),
+            TensorSpec(p + "attn.c_proj.weight", (d, d), f), TensorSpec(p + "attn.c_proj.bias", (d,), f),
+            TensorSpec(p + "ln2.weight", (d,), f), TensorSpec(p + "ln2.bias", (d,), f),
+            TensorSpec(p + "mlp.c_fc.weight", (d, 4 * d), f), TensorSpec(p + "mlp.c_fc.bias", (4 * d,), f),
+            TensorSpec(p + "mlp.c_proj.weight", (4 * d, d), f), TensorSpec(p + "mlp.c_proj.bias", (d,), f),
+        ]
+    specs += [TensorSpec("ln_f.weight", (d,), f), TensorSpec("ln_f.bias", (d,), f)]
+    return Layout(specs)
+
+
+def pseudo_gradients(layout: Layout, seed: int = 0) -> list[torch.Tensor]:
+    """Gaussian values with a log-normal scale per row, like real pseudo-gradients whose
+    magnitude differs between rows (tokens, heads, neurons)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in layout.specs:
+        x = torch.randn(s.shape, generator=g) * 1e-3
+        if len(s.shape) == 2:
+            x *= torch.exp(torch.randn(s.shape[0], 1, generator=g) * 0.7)
+        out.append(x)
+    return out
+
+
+def entropy_bound(n: int = 4096, k: int = 64) -> float:
+    return (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)) / math.log(2) / k
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def quant_error(layout: Layout, deltas, **kw) -> tuple[float, float, int]:
+    """(squared error, squared norm of exact top-k, frame bytes) from a zero error state."""
+    c = Compressor(layout, beta=BETA, **kw)
+    data = c.compress(deltas, round=0, sender=0)
+    f = decode_frame(data, layout)
+    err = ref = 0.0
+    for d, idx, val in zip(deltas, f.indices, f.values, strict=False):
+        exact = d.reshape(-1)[idx]
+        err += float(((val - exact) ** 2).sum())
+        ref += float((exact ** 2).sum())
+    return err, ref, len(data)
+
+
+def run_workload(name: str, layout: Layout, repeats: int) -> dict:
+    deltas = pseudo_gradients(layout)
+    c = Compressor(layout, beta=BETA)
+    for r in range(2):  # warm-up: numba compilation, buffers, page faults
+        frame = c.compress(deltas, round=r, sender=0)
+    params = [torch.zeros(s.shape) for s in layout.specs]
+    apply_frames(params, [decode_frame(frame, layout)])
+
+    def ef_pass() -> None:
+        for e, d in zip(c.error, deltas, strict=False):
+            e.mul_(BETA).add_(d.reshape(-1))
+
+    def decode_apply() -> None:
+        apply_frames(params, [decode_frame(frame, layout)])
+
+    # interleaved, so that all three see the same machine load
+    times = {"enc": [], "ef": [], "dec": []}
+    for r in range(repeats):
+        times["enc"].append(timed(lambda r=r: c.compress(deltas, round=r, sender=0)))
+        times["ef"].append(timed(ef_pass))
+        times["dec"].append(timed(decode_apply))
+    t_enc, t_ef, t_dec = (statistics.median(times[k]) for k in ("enc", "ef", "dec"))
+    err, ref, _ = quant_error(layout, deltas)
+    n = layout.numel
+    gb = 4 * n / 1e9
+    return {"name": name, "params": n, "bytes": len(frame), "t_enc": t_enc, "t_ef": t_ef, "t_dec": t_dec,
+            "err": err, "ref": ref, "bits_per_param": 8 * len(frame) / n,
+            "encode_gbps": gb / t_enc, "decode_apply_gbps": gb / t_dec, "ef_pass_gbps": gb / t_ef}
+
+
+def design_table(layout: Layout) -> list[tuple[str, str, int, float, float]]:
+    """Bytes and error of the quantizer-table and index-coding choices on one layout, for
+    row-scaled pseudo-gradients and for i.i.d. Gaussian ones."""
+    g = torch.Generator().manual_seed(2)
+    data = {"row-scaled": pseudo_gradients(layout, seed=1),
+            "iid": [torch.randn(s.shape, generator=g) for s in layout.specs]}
+    rows = []
+    for kind, deltas in data.items():
+        for label, kw in [("table=chunk index=rice", {}),
+                          ("table=tensor index=rice", {"table": "tensor"}),
+                          ("table=chunk index=fixed", {"index_coding": "fixed"}),
+                          ("table=chunk index=rice zstd", {"zstd": True})]:
+            err, ref, nbytes = quant_error(layout, deltas, **kw)
+            rows.append((kind, label, nbytes, 8 * nbytes / layout.numel, math.sqrt(err / ref)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="SparseLoCo codec benchmark")
+    ap.add_argument("--quick", action="store_true", help="small smoke sizes")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        work = [("matrix_256x256", Layout([TensorSpec("m", (256, 256), torch.float32)])),
+                ("gpt_tiny", gpt_layout(512, 64, 2, 128))]
+        repeats = args.repeats or 2
+    else:
+        work = [("matrix_4096x4096", Layout([TensorSpec("m", (4096, 4096), torch.float32)])),
+                ("gpt_small", gpt_layout(8192, 512, 6, 1024))]
+        repeats = args.repeats or 7
+    results = [run_workload(name, lay, repeats) for name, lay in work]
+    bound = entropy_bound()
+
+    print(f"torch threads: {torch.get_num_threads()}; k = 64 of 4096, beta = {BETA}, defaults "
+          "(table per chunk, Rice indices, no zstd); median of", repeats, "repeats")
+    hdr = (f"{'workload':<18}{'params':>11}{'bytes':>10}{'bits/par':>9}{'enc GB/s':>9}{'dec+app':>9}"
+           f"{'EF GB/s':>9}{'enc/EF':>8}{'dec/EF':>8}{'rel err':>9}")
+    print(hdr)
+    for r in results:
+        print(f"{r['name']:<18}{r['params']:>11}{r['bytes']:>10}{r['bits_per_param']:>9.4f}"
+              f"{r['encode_gbps']:>9.3f}{r['decode_apply_gbps']:>9.3f}{r['ef_pass_gbps']:>9.3f}"
+              f"{r['encode_gbps'] / r['ef_pass_gbps']:>8.3f}{r['decode_apply_gbps'] / r['ef_pass_gbps']:>8.2f}"
+              f"{math.sqrt(r['err'] / r['ref']):>9.4f}")
+    print(f"entropy bound log2(C(4096,64))/64 = {bound:.3f} bits per index")
+    print("\ndesign choices on", work[0][0], "(bytes and rel. error vs exact top-k):")
+    for kind, label, nbytes, bpp, rel in design_table(work[0][1]):
+        print(f"  {kind:<11}{label:<30}{nbytes:>10} bytes {bpp:>8.4f} bits/param  rel err {rel:.4f}")
+
+    n = sum(r["params"] for r in results)
+    nbytes = sum(r["bytes"] for r in results)
+    gb = 4 * n / 1e9
+    enc = gb / sum(r["t_enc"] for r in results)
+    dec = gb / sum(r["t_dec"] for r in results)
+    ef = gb / sum(r["t_ef"] for r in results)
+    out = {
+        "bits_per_param": round(8 * nbytes / n, 5),
+        "ratio_vs_fp32": round(4 * n / nbytes, 2),
+        "ratio_vs_bf16": round(2 * n / nbytes, 2),
+        "encode_gbps": round(enc, 4),
+        "decode_apply_gbps": round(dec, 4),
+        "ef_pass_gbps": round(ef, 4),
+        "encode_vs_ef_pass": round(enc / ef, 4),
+        "decode_apply_vs_ef_pass": round(dec / ef, 3),
+        "rel_error_vs_exact_topk": round(math.sqrt(sum(r["err"] for r in results) / sum(r["ref"] for r in results)), 5),
+        "entropy_bound_bits_per_index": round(bound, 4),
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

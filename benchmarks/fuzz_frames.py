@@ -1,0 +1,151 @@
+"""Mutation fuzzing of the frame decoder: does any mutated frame crash it?
+
+Mutates valid sparse and dense frames (bit flips, byte overwrites, truncation, extension,
+concatenation, splices, header-field rewrites), half of them with the checksum and length
+fields repaired so that the structural validation is reached, and decodes each. Every
+outcome must be a clean decode or a FrameError; anything else is a crash.
+
+    python -m benchmarks.fuzz_frames --count 100000 --seed 0
+
+Prints a table and one JSON line; exits 1 when crashed > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import struct
+import sys
+import time
+import traceback
+import zlib
+
+import torch
+
+from compression import Compressor, FrameError, Layout, TensorSpec, decode_frame, encode_dense
+from compression.frame import HEADER_BYTES
+
+FUZZ_SPECS = [
+    TensorSpec("emb", (96, 64), torch.float32),
+    TensorSpec("w", (70, 130), torch.float32),
+    TensorSpec("b", (70,), torch.float32),
+    TensorSpec("s", (), torch.float32),
+    TensorSpec("conv", (3, 5, 7), torch.bfloat16),
+]
+
+
+def seed_frames(layout: Layout) -> list[bytes]:
+    """A few valid frames of every flavour for the layout."""
+    g = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(s.shape, generator=g) for s in layout.specs]
+    frames = []
+    for coding in ("rice", "fixed"):
+        for table in ("chunk", "tensor"):
+            for zstd in (False, True):
+                c = Compressor(layout, density=1 / 16, tile=16, index_coding=coding, table=table, zstd=zstd)
+                frames.append(c.compress(deltas, round=3, sender=1))
+    frames.append(encode_dense(layout, deltas, round=1, sender=2, dtype="bf16"))
+    frames.append(encode_dense(layout, deltas, round=1, sender=2, dtype="fp32", zstd=True))
+    return frames
+
+
+def repair(data: bytearray) -> bytearray:
+    """Rewrite the body length and checksum so that the frame passes those two checks."""
+    if len(data) >= HEADER_BYTES + 4:
+        struct.pack_into("<Q", data, HEADER_BYTES - 8, len(data) - HEADER_BYTES - 4)
+        struct.pack_into("<I", data, len(data) - 4, zlib.crc32(bytes(data[:-4])))
+    return data
+
+
+def mutate(rng: random.Random, frame: bytes, frames: list[bytes]) -> bytes:
+    d = bytearray(frame)
+    op = rng.randrange(9)
+    if op == 0:  # flip a few bits
+        for _ in range(rng.randint(1, 8)):
+            i = rng.randrange(len(d) * 8)
+            d[i // 8] ^= 1 << (i % 8)
+    elif op == 1:  # overwrite bytes
+        for _ in range(rng.randint(1, 4)):
+            d[rng.randrange(len(d))] = rng.randrange(256)
+    elif op == 2:  # truncate
+        d = d[:rng.randrange(len(d))]
+    elif op == 3:  # extend
+        d += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    elif op == 4:  # concatenate
+        d += rng.choice(frames)
+    elif op == 5:  # splice a range from another frame
+        other = rng.choice(frames)
+        i, j = sorted(rng.randrange(len(d)) for _ in range(2))
+        k = rng.randrange(len(other))
+        d[i:j] = other[k:k + (j - i) + rng.randint(-4, 4)]
+    elif op == 6:  # rewrite a header field with an extreme value
+        pos = rng.randrange(4, HEADER_BYTES)
+        d[pos:pos + 4] = rng.choice([b"\xff\xff\xff\xff", b"\0\0\0\0", b"\x01\0\0\0", b"\xff\xff\xff\x7f"])
+        d = d[:len(frame)]
+    elif op == 7:  # rewrite a section length
+        pos = rng.randrange(HEADER_BYTES, max(HEADER_BYTES + 1, len(d) - 8))
+        d[pos:pos + 8] = struct.pack("<Q", rng.choice([0, 1, 2**63, 2**64 - 1, rng.randrange(1 << 20)]))
+        d = d[:len(frame)]
+    else:  # delete a range
+        i = rng.randrange(len(d))
+        del d[i:i + rng.randint(1, 32)]
+    if rng.random() < 0.5:
+        d = repair(d)
+    return bytes(d)
+
+
+def check_accepted(frame, layout: Layout) -> None:
+    """A frame that decoded must describe a sane update."""
+    for spec, idx, val in zip(layout.specs, frame.indices or [], frame.values or [], strict=False):
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= spec.numel):
+            raise AssertionError(f"accepted frame has an index outside {spec.name}")
+        if len(torch.unique(idx)) != len(idx):
+            raise AssertionError(f"accepted frame repeats an index in {spec.name}")
+        if not torch.isfinite(val).all():
+            raise AssertionError("accepted frame has non-finite values")
+    frame.to_dense()
+
+
+def run(count: int, seed: int) -> dict:
+    layout = Layout(FUZZ_SPECS)
+    frames = seed_frames(layout)
+    for f in frames:
+        decode_frame(f, layout)  # the seeds themselves must decode
+    rng = random.Random(seed)
+    counts = {"rejected": 0, "accepted": 0, "crashed": 0}
+    first_crash = None
+    t0 = time.perf_counter()
+    for _ in range(count):
+        data = mutate(rng, rng.choice(frames), frames)
+        try:
+            f = decode_frame(data, layout)
+            check_accepted(f, layout)
+            counts["accepted"] += 1
+        except FrameError:
+            counts["rejected"] += 1
+        except Exception:  # noqa: BLE001 - anything else is what we are looking for
+            counts["crashed"] += 1
+            if first_crash is None:
+                first_crash = traceback.format_exc()
+    counts["seconds"] = round(time.perf_counter() - t0, 2)
+    counts["count"] = count
+    if first_crash:
+        print(first_crash, file=sys.stderr)
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    r = run(args.count, args.seed)
+    print(f"{'frames':>10} {'rejected':>10} {'accepted':>10} {'crashed':>10} {'seconds':>8}")
+    print(f"{r['count']:>10} {r['rejected']:>10} {r['accepted']:>10} {r['crashed']:>10} {r['seconds']:>8}")
+    print(json.dumps(r))
+    return 1 if r["crashed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

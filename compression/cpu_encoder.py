@@ -1,0 +1,81 @@
+"""Runs the fused numba encoder over all tensors of a layout on CPU threads.
+
+Work is cut into pieces of about ``PIECE_ELEMS`` elements that the threads pull one at a
+time (dynamic scheduling survives a busy machine better than a static split). Three
+phases: check every delta for NaN/Inf (nothing has changed yet when one is found), fused
+error feedback + selection per piece, then per-tensor finishing (index coding).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from . import kernels
+from .layout import ChunkGrid
+from .threadpool import pieces, run_tasks
+
+PIECE_ELEMS = 1 << 19
+
+_local = threading.local()
+
+
+def _scratch(tile: int) -> tuple:
+    cache = getattr(_local, "scratch", None)
+    if cache is None:
+        cache = _local.scratch = {}
+    if tile not in cache:
+        cache[tile] = kernels.scratch(tile)
+    return cache[tile]
+
+
+def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
+    """Index of the first delta holding NaN or Inf, or None."""
+    bad = [0] * len(deltas)
+
+    def check(j: int, a: int, b: int):
+        def run() -> None:
+            bad[j] += kernels.count_nonfinite(deltas[j], a, b)
+        return run
+
+    run_tasks([check(j, a, b) for j, d in enumerate(deltas) for a, b in pieces(len(d), PIECE_ELEMS)], n_threads)
+    return next((j for j, b in enumerate(bad) if b), None)
+
+
+def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[ChunkGrid], beta: float,
+           k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, int | None]:
+    """(tables, codes, indices, index of a tensor whose error feedback overflowed or None)."""
+    beta32 = np.float32(beta)
+    plans = [kernels.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
+             for g in grids]
+    es = [e.numpy() for e in errors]
+    tasks = []
+    for j, (g, plan) in enumerate(zip(grids, plans, strict=False)):
+        n_units = plan[0]
+        for u0, u1 in pieces(n_units, max(1, n_units * PIECE_ELEMS // max(g.numel, 1))):
+            tasks.append(_unit_task(es[j], deltas[j], beta32, g, k_full, per_chunk, fixed, u0, u1, plan))
+    run_tasks(tasks, n_threads)
+    out = [None] * len(grids)
+
+    def finish(j: int):
+        def run() -> None:
+            g = grids[j]
+            out[j] = kernels.encode_finish(es[j], g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles,
+                                           per_chunk, fixed, *plans[j][1:])
+        return run
+
+    run_tasks([finish(j) for j in range(len(grids))], n_threads)
+    bad = next((j for j, (_, nonfinite) in enumerate(out) if nonfinite), None)
+    tables = [p[8].tobytes() for p in plans]
+    codes = [p[7].tobytes() for p in plans]
+    index = [o[0].tobytes() for o in out]
+    return tables, codes, index, bad
+
+
+def _unit_task(e, d, beta32, g, k_full, per_chunk, fixed, u0, u1, plan):
+    def run() -> None:
+        kernels.encode_units(e, d, beta32, g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full,
+                             per_chunk, fixed, u0, u1, *plan[1:], *_scratch(g.tile))
+    return run

@@ -1,0 +1,341 @@
+"""The frame format: header, sections, checksum; writing frames and validating them.
+
+Byte layout (little-endian; docs/codec.md is the spec):
+
+    header   magic "GLCF", version, kind, p1, p2, layout digest (16), round u64,
+             sender u32, tensors u32, elements u64, tile u16, k u32, body length u64
+    body     sections, each: codec u8 (0 raw, 1 zstd), raw length u64, stored length u64,
+             stored bytes. Sparse: table, codes, index. Dense: values.
+    trailer  CRC-32 of everything before it, u32
+
+Every count and length read from a frame is checked against what the layout allows
+before anything is allocated; violations raise ``FrameError`` naming the problem.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from . import kernels
+from .bits import fixed_width, rice_param
+from .errors import FrameError
+from .layout import ChunkGrid, Layout, kept_per_chunk
+
+MAGIC = b"GLCF"
+VERSION = 1
+KIND_SPARSE, KIND_DENSE = 1, 2
+TABLE_PER_TENSOR, TABLE_PER_CHUNK = 0, 1
+INDEX_FIXED, INDEX_RICE = 0, 1
+DTYPE_FP32, DTYPE_BF16 = 0, 1
+MAX_TILE = 256
+
+_HEADER = struct.Struct("<4sBBBB16sQIIQHIQ")
+_SECTION = struct.Struct("<BQQ")
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size
+
+_DENSE_DTYPES = {DTYPE_FP32: (torch.float32, 4, "fp32"), DTYPE_BF16: (torch.bfloat16, 2, "bf16")}
+DENSE_DTYPE_CODES = {"fp32": DTYPE_FP32, "bf16": DTYPE_BF16}
+
+_DECODE_ERRORS = {
+    kernels.ERR_INDEX_TRUNCATED: "index section ends inside chunk {c}",
+    kernels.ERR_UNARY_TOO_LONG: "Rice code in chunk {c} has a unary run longer than the chunk allows",
+    kernels.ERR_INDEX_RANGE: "index in chunk {c} is outside the chunk",
+    kernels.ERR_INDEX_ORDER: "indices in chunk {c} are not strictly increasing",
+    kernels.ERR_INDEX_PADDING: "nonzero padding bits after the indices of chunk {c}",
+    kernels.ERR_CODE_PADDING: "nonzero padding bits after the 2-bit codes of chunk {c}",
+}
+
+try:
+    import zstandard
+except ImportError:  # pragma: no cover
+    zstandard = None
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Sizes one tensor occupies in each section, derived from the layout alone."""
+
+    grid: ChunkGrid
+    kept: int          # elements kept in this tensor
+    table_bytes: int
+    code_bytes: int
+    index_bytes_max: int
+    index_bytes_exact: bool
+
+
+@lru_cache(maxsize=64)
+def sparse_plan(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool) -> tuple[TensorPlan, ...]:
+    plans = []
+    size = tile * tile
+    for spec in layout.specs:
+        g = ChunkGrid.of(spec.shape, tile)
+        kept = codes = idx = 0
+        n_full = g.n_chunks - 1 if g.n_chunks else 0
+        for n, count in ((size, n_full), (g.last_size, 1 if g.n_chunks else 0)):
+            if not count:
+                continue
+            k = kept_per_chunk(n, k_full, size)
+            kept += k * count
+            codes += (k + 3) // 4 * count
+            if fixed:
+                idx += (k * fixed_width(n) + 7) // 8 * count
+            else:
+                b = rice_param(n, k)
+                idx += (k * (b + 1) + ((n - k) >> b) + 7) // 8 * count
+        table = 4 * g.n_chunks if per_chunk else (4 if g.n_chunks else 0)
+        plans.append(TensorPlan(g, kept, table, codes, idx, fixed))
+    return tuple(plans)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _section(raw: bytes, use_zstd: bool) -> bytes:
+    stored, codec = raw, 0
+    if use_zstd and raw and zstandard is not None:
+        z = zstandard.ZstdCompressor(level=3).compress(raw)
+        if len(z) < len(raw):
+            stored, codec = z, 1
+    return _SECTION.pack(codec, len(raw), len(stored)) + stored
+
+
+def write_frame(kind: int, p1: int, p2: int, layout: Layout, round: int, sender: int,
+                tile: int, k_full: int, sections: list[bytes], use_zstd: bool) -> bytes:
+    if not 0 <= round < 2**64 or not 0 <= sender < 2**32:
+        raise ValueError(f"round must be in [0, 2**64) and sender in [0, 2**32), got {round}, {sender}")
+    body = b"".join(_section(s, use_zstd) for s in sections)
+    head = _HEADER.pack(MAGIC, VERSION, kind, p1, p2, layout.digest, round, sender,
+                        len(layout.specs), layout.numel, tile, k_full, len(body))
+    crc = zlib.crc32(body, zlib.crc32(head))
+    return head + body + _CRC.pack(crc)
+
+
+def encode_dense(layout: Layout, tensors, *, round: int, sender: int, dtype: str = "fp32",
+                 zstd: bool = False) -> bytes:
+    """A dense frame carrying ``tensors`` (any float dtype, any device) as fp32 or bf16."""
+    if dtype not in DENSE_DTYPE_CODES:
+        raise ValueError(f"dense dtype must be 'fp32' or 'bf16', got {dtype!r}")
+    tensors = list(tensors)
+    _check_tensors(layout, tensors)
+    code = DENSE_DTYPE_CODES[dtype]
+    tdtype = _DENSE_DTYPES[code][0]
+    parts = []
+    for spec, t in zip(layout.specs, tensors, strict=False):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"tensor {spec.name!r} contains NaN or Inf")
+        x = t.detach().reshape(-1).to(tdtype).cpu().contiguous()
+        parts.append(x.view(torch.int16 if tdtype == torch.bfloat16 else torch.int32).numpy().tobytes())
+    return write_frame(KIND_DENSE, code, 0, layout, round, sender, 0, 0, [b"".join(parts)], zstd)
+
+
+def _check_tensors(layout: Layout, tensors) -> None:
+    if len(tensors) != len(layout.specs):
+        raise ValueError(f"expected {len(layout.specs)} tensors for the layout, got {len(tensors)}")
+    for spec, t in zip(layout.specs, tensors, strict=False):
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"tensor {spec.name!r} has shape {tuple(t.shape)}, layout says {spec.shape}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"tensor {spec.name!r} has dtype {t.dtype}, expected a float dtype")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class Frame:
+    """A validated, decoded frame.
+
+    Sparse frames hold, per tensor, the flat indices (int64, increasing within each
+    chunk) and fp32 values of the kept elements; dense frames hold fp32 tensors.
+    """
+
+    def __init__(self, kind: str, round: int, sender: int, nbytes: int, layout: Layout,
+                 indices=None, values=None, dense=None, params=None) -> None:
+        self.kind = kind
+        self.round = round
+        self.sender = sender
+        self.nbytes = nbytes
+        self.layout = layout
+        self.indices: list[torch.Tensor] | None = indices
+        self.values: list[torch.Tensor] | None = values
+        self.dense: list[torch.Tensor] | None = dense
+        self.params: dict = params or {}
+
+    @property
+    def kept(self) -> int:
+        return self.layout.numel if self.kind == "dense" else sum(len(i) for i in self.indices)
+
+    def to_dense(self, device=None) -> list[torch.Tensor]:
+        out = []
+        for j, spec in enumerate(self.layout.specs):
+            if self.kind == "dense":
+                out.append(self.dense[j].to(device).reshape(spec.shape).clone())
+                continue
+            x = torch.zeros(spec.numel, dtype=torch.float32, device=device)
+            x[self.indices[j].to(device)] = self.values[j].to(device)
+            out.append(x.view(spec.shape))
+        return out
+
+    def __repr__(self) -> str:
+        return f"Frame({self.kind}, round={self.round}, sender={self.sender}, {self.nbytes} bytes)"
+
+
+def decode_frame(data: bytes, layout: Layout) -> Frame:
+    """Validate and decode a frame made for ``layout``; raises FrameError on any problem."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FrameError(f"frame must be bytes, got {type(data).__name__}")
+    data = bytes(data)
+    head = _read_header(data)
+    (_, _, kind, p1, p2, digest, round_, sender, n_tensors, numel, tile, k_full, _) = head
+    _check_layout(layout, digest, n_tensors, numel)
+    body = memoryview(data)[HEADER_BYTES:-_CRC.size]
+    if kind == KIND_DENSE:
+        return _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender)
+    return _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender)
+
+
+def _read_header(data: bytes) -> tuple:
+    if len(data) < HEADER_BYTES + _CRC.size:
+        raise FrameError(f"frame truncated: {len(data)} bytes, shorter than the {HEADER_BYTES + _CRC.size}-byte header and checksum")
+    head = _HEADER.unpack_from(data)
+    magic, version, kind = head[0], head[1], head[2]
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}: not a GeoLoCo frame")
+    if version != VERSION:
+        raise FrameError(f"unsupported frame version {version} (this codec reads version {VERSION})")
+    expected = HEADER_BYTES + head[-1] + _CRC.size
+    if len(data) < expected:
+        raise FrameError(f"frame truncated: {len(data)} bytes, header says {expected}")
+    if len(data) > expected:
+        raise FrameError(f"{len(data) - expected} trailing bytes after the frame (concatenated or oversized frame)")
+    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    if zlib.crc32(memoryview(data)[:-_CRC.size]) != crc:
+        raise FrameError("checksum mismatch: frame corrupted")
+    if kind not in (KIND_SPARSE, KIND_DENSE):
+        raise FrameError(f"unknown frame kind {kind}")
+    return head
+
+
+def _check_layout(layout: Layout, digest: bytes, n_tensors: int, numel: int) -> None:
+    if n_tensors != len(layout.specs) or numel != layout.numel:
+        raise FrameError(f"frame is for another layout: {n_tensors} tensors / {numel} elements, "
+                         f"this layout has {len(layout.specs)} / {layout.numel}")
+    if digest != layout.digest:
+        raise FrameError(f"frame is for another layout: digest {digest.hex()} != {layout.digest.hex()} "
+                         "(tensor names, shapes or dtypes differ)")
+
+
+def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> list[bytes]:
+    """Read sections named in ``expected`` as (name, length, exact); length is a maximum
+    unless exact."""
+    out, pos = [], 0
+    for name, length, exact in expected:
+        if len(body) - pos < _SECTION.size:
+            raise FrameError(f"{name} section header missing: body ends at byte {pos}")
+        codec, raw_len, stored_len = _SECTION.unpack_from(body, pos)
+        pos += _SECTION.size
+        if codec not in (0, 1):
+            raise FrameError(f"{name} section has unknown codec {codec}")
+        if (raw_len != length) if exact else (raw_len > length):
+            want = f"{length}" if exact else f"at most {length}"
+            raise FrameError(f"{name} section claims {raw_len} bytes, the layout allows {want}")
+        if stored_len > len(body) - pos:
+            raise FrameError(f"{name} section claims {stored_len} stored bytes, only {len(body) - pos} left")
+        stored = body[pos:pos + stored_len]
+        pos += stored_len
+        if codec == 0:
+            if stored_len != raw_len:
+                raise FrameError(f"{name} section: raw section stores {stored_len} bytes, not {raw_len}")
+            out.append(bytes(stored))
+        else:
+            out.append(_unzstd(name, stored, raw_len))
+    if pos != len(body):
+        raise FrameError(f"{len(body) - pos} unexpected bytes after the last section")
+    return out
+
+
+def _unzstd(name: str, stored: memoryview, raw_len: int) -> bytes:
+    if zstandard is None:
+        raise FrameError(f"{name} section is zstd-compressed but the zstandard package is missing")
+    try:
+        size = zstandard.frame_content_size(bytes(stored[:18]))
+        if size != raw_len:
+            raise FrameError(f"{name} section: zstd content size {size} != declared {raw_len}")
+        raw = zstandard.ZstdDecompressor().decompress(bytes(stored), max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise FrameError(f"{name} section: corrupt zstd data ({exc})") from None
+    if len(raw) != raw_len:
+        raise FrameError(f"{name} section: zstd data decompresses to {len(raw)} bytes, not {raw_len}")
+    return raw
+
+
+def _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender) -> Frame:
+    if p1 not in _DENSE_DTYPES or p2 or tile or k_full:
+        raise FrameError(f"dense frame has invalid parameters (dtype {p1}, {p2}, {tile}, {k_full})")
+    tdtype, width, _ = _DENSE_DTYPES[p1]
+    (raw,) = _read_sections(body, [("values", layout.numel * width, True)])
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.int16 if width == 2 else torch.int32) if raw else \
+        torch.empty(0, dtype=torch.int16 if width == 2 else torch.int32)
+    flat = flat.view(tdtype).float()
+    if not torch.isfinite(flat).all():
+        raise FrameError("dense frame contains NaN or Inf values")
+    dense, off = [], 0
+    for spec in layout.specs:
+        dense.append(flat[off:off + spec.numel])
+        off += spec.numel
+    return Frame("dense", round_, sender, len(data), layout, dense=dense,
+                 params={"dtype": _DENSE_DTYPES[p1][2]})
+
+
+def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> Frame:
+    if p1 not in (TABLE_PER_TENSOR, TABLE_PER_CHUNK) or p2 not in (INDEX_FIXED, INDEX_RICE):
+        raise FrameError(f"sparse frame has unknown table mode {p1} or index coding {p2}")
+    if not 1 <= tile <= MAX_TILE:
+        raise FrameError(f"tile {tile} outside [1, {MAX_TILE}]")
+    if not 1 <= k_full <= tile * tile:
+        raise FrameError(f"kept per chunk {k_full} outside [1, {tile * tile}]")
+    per_chunk, fixed = p1 == TABLE_PER_CHUNK, p2 == INDEX_FIXED
+    plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
+    t_len = sum(p.table_bytes for p in plans)
+    c_len = sum(p.code_bytes for p in plans)
+    i_len = sum(p.index_bytes_max for p in plans)
+    table_raw, codes_raw, index_raw = _read_sections(
+        body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed)])
+    table = np.frombuffer(table_raw, dtype="<u2").astype(np.uint32)
+    if ((table >> 7) & 0xFF == 0xFF).any() or (table >> 15).any():
+        raise FrameError("quantizer table holds a negative, NaN or Inf level")
+    levels = (table << 16).view(np.float32)
+    if (levels[0::2] < levels[1::2]).any():
+        raise FrameError("quantizer table has a low level above the high level")
+    index = np.frombuffer(index_raw, dtype=np.uint8)
+    codes = np.frombuffer(codes_raw, dtype=np.uint8)
+    indices, values = [], []
+    ipos = cpos = tpos = 0
+    for spec, plan in zip(layout.specs, plans, strict=False):
+        g = plan.grid
+        flat = np.empty(plan.kept, dtype=np.int64)
+        vals = np.empty(plan.kept, dtype=np.float32)
+        tab = levels[tpos:tpos + plan.table_bytes // 2]
+        tpos += plan.table_bytes // 2
+        if plan.kept:
+            status, c, ipos, cpos = kernels.decode_tensor(
+                index, ipos, len(index), codes, cpos, tab, per_chunk, g.rows, g.cols, g.tile,
+                g.row_tiles, g.col_tiles, k_full, fixed, flat, vals)
+            if status != kernels.OK:
+                raise FrameError(f"tensor {spec.name!r}: " + _DECODE_ERRORS[status].format(c=c))
+        indices.append(torch.from_numpy(flat))
+        values.append(torch.from_numpy(vals))
+    if ipos != len(index):
+        raise FrameError(f"{len(index) - ipos} unexpected bytes after the last chunk's indices")
+    params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
+              "index_coding": "fixed" if fixed else "rice"}
+    return Frame("sparse", round_, sender, len(data), layout, indices, values, params=params)

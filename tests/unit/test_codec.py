@@ -1,0 +1,269 @@
+"""Behaviour of the SparseLoCo codec: selection, quantizer, error feedback, frames, apply."""
+
+import pytest
+import torch
+
+from compression import (
+    Compressor,
+    FrameError,
+    Layout,
+    TensorSpec,
+    aggregate,
+    apply_frames,
+    decode_frame,
+    encode_dense,
+    kernels,
+)
+
+SPECS = [
+    TensorSpec("w", (130, 200), torch.float32),
+    TensorSpec("b", (77,), torch.float32),
+    TensorSpec("s", (), torch.float32),
+    TensorSpec("empty", (0, 5), torch.float32),
+    TensorSpec("conv", (3, 4, 5), torch.float32),
+    TensorSpec("tall", (200, 64), torch.bfloat16),
+]
+LAYOUT = Layout(SPECS)
+
+
+def deltas(seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s.shape, generator=g) * scale for s in SPECS]
+
+
+def test_layout_digest_depends_on_names_shapes_dtypes():
+    base = Layout(SPECS).digest
+    assert Layout(list(SPECS)).digest == base
+    renamed = [TensorSpec("w2", (130, 200), torch.float32)] + SPECS[1:]
+    reshaped = [TensorSpec("w", (200, 130), torch.float32)] + SPECS[1:]
+    retyped = [TensorSpec("w", (130, 200), torch.bfloat16)] + SPECS[1:]
+    assert len({base, Layout(renamed).digest, Layout(reshaped).digest, Layout(retyped).digest}) == 4
+
+
+def test_from_named_tensors():
+    m = torch.nn.Linear(3, 2)
+    lay = Layout.from_named_tensors(m.named_parameters())
+    assert [s.name for s in lay.specs] == ["weight", "bias"]
+    assert lay.numel == 8
+
+
+@pytest.mark.parametrize("table", ["chunk", "tensor"])
+@pytest.mark.parametrize("coding", ["rice", "fixed"])
+def test_decoded_equals_what_error_feedback_removed(table, coding):
+    c = Compressor(LAYOUT, density=1 / 32, tile=16, table=table, index_coding=coding, beta=0.9)
+    for r in range(3):
+        before = [e.clone() for e in c.error] if c.error else [torch.zeros(s.numel) for s in SPECS]
+        ds = deltas(r)
+        frame = decode_frame(c.compress(ds, round=r, sender=7), LAYOUT)
+        assert (frame.kind, frame.round, frame.sender) == ("sparse", r, 7)
+        for spec, e0, e1, d, u in zip(SPECS, before, c.error, ds, frame.to_dense(), strict=False):
+            pre = e0 * torch.tensor(0.9) + d.reshape(-1).float()
+            kept = torch.zeros(spec.numel, dtype=torch.bool)
+            kept[frame.indices[SPECS.index(spec)]] = True
+            assert torch.equal(e1[~kept], pre[~kept])
+            torch.testing.assert_close(e1[kept] + u.reshape(-1)[kept], pre[kept], rtol=0, atol=1e-6)
+
+
+def test_keeps_exact_topk_per_tile_with_lower_index_tiebreak():
+    lay = Layout([TensorSpec("m", (8, 8), torch.float32)])
+    x = torch.zeros(8, 8)
+    x[0, :4] = torch.tensor([1.0, -3.0, 3.0, 2.0])  # tile (0,0) of 4x4: ties between 1 and 2
+    x[1, 0] = -3.0
+    c = Compressor(lay, density=2 / 16, tile=4, beta=0.0)
+    f = decode_frame(c.compress([x], round=0, sender=0), lay)
+    idx = f.indices[0]
+    first_tile = sorted(i for i in idx.tolist() if i % 8 < 4 and i // 8 < 4)
+    assert first_tile == [1, 2]  # |-3| at 1 and |3| at 2 beat |-3| at 8 (higher index)
+
+
+def test_per_chunk_k_and_leftover_chunks():
+    lay = Layout([TensorSpec("m", (70, 130), torch.float32)])
+    c = Compressor(lay, density=64 / 4096, tile=64)
+    f = decode_frame(c.compress([torch.randn(70, 130)], round=0, sender=0), lay)
+    # 2 full tiles (64x128 region) keep 64 each; 9100 - 8192 = 908 leftovers keep ceil(64*908/4096) = 15
+    assert len(f.indices[0]) == 2 * 64 + 15
+    assert len(torch.unique(f.indices[0])) == len(f.indices[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_delta_raises_before_state_changes(bad):
+    c = Compressor(LAYOUT, density=1 / 16, tile=16)
+    c.compress(deltas(0), round=0, sender=0)
+    state = [e.clone() for e in c.error]
+    ds = deltas(1)
+    ds[1][5] = bad
+    with pytest.raises(ValueError, match="'b'"):
+        c.compress(ds, round=1, sender=0)
+    assert all(torch.equal(a, b) for a, b in zip(state, c.error, strict=False))
+
+
+def test_wrong_shapes_or_count_raise():
+    c = Compressor(LAYOUT)
+    with pytest.raises(ValueError, match="expected 6 tensors"):
+        c.compress(deltas()[:-1], round=0, sender=0)
+    ds = deltas()
+    ds[0] = torch.randn(3, 3)
+    with pytest.raises(ValueError, match="'w'"):
+        c.compress(ds, round=0, sender=0)
+
+
+def test_state_dict_roundtrip_continues_identically():
+    a = Compressor(LAYOUT, density=1 / 16, tile=16)
+    a.compress(deltas(0), round=0, sender=0)
+    b = Compressor(LAYOUT, density=1 / 16, tile=16)
+    b.load_state_dict(a.state_dict())
+    assert a.compress(deltas(1), round=1, sender=0) == b.compress(deltas(1), round=1, sender=0)
+
+
+def test_other_layout_is_named():
+    frame = Compressor(LAYOUT).compress(deltas(), round=0, sender=0)
+    other = Layout([TensorSpec("x", (3,), torch.float32)])
+    with pytest.raises(FrameError, match="another layout.*1 tensors|another layout"):
+        decode_frame(frame, other)
+    renamed = Layout([TensorSpec("w_renamed", (130, 200), torch.float32)] + SPECS[1:])
+    with pytest.raises(FrameError, match="digest"):
+        decode_frame(frame, renamed)
+
+
+def test_damaged_frames_raise_frame_error():
+    frame = Compressor(LAYOUT, density=1 / 16, tile=16).compress(deltas(), round=0, sender=0)
+    with pytest.raises(FrameError, match="truncated"):
+        decode_frame(frame[:-1], LAYOUT)
+    with pytest.raises(FrameError, match="truncated"):
+        decode_frame(frame[:10], LAYOUT)
+    with pytest.raises(FrameError, match="trailing"):
+        decode_frame(frame + frame, LAYOUT)
+    with pytest.raises(FrameError, match="trailing"):
+        decode_frame(frame + b"\0" * 1000, LAYOUT)
+    flipped = bytearray(frame)
+    flipped[len(frame) // 2] ^= 0x10
+    with pytest.raises(FrameError, match="checksum"):
+        decode_frame(bytes(flipped), LAYOUT)
+    with pytest.raises(FrameError, match="magic"):
+        decode_frame(b"XXXX" + frame[4:], LAYOUT)
+    with pytest.raises(FrameError):
+        decode_frame(b"", LAYOUT)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("zstd", [False, True])
+def test_dense_frames_roundtrip(dtype, zstd):
+    ds = deltas()
+    f = decode_frame(encode_dense(LAYOUT, ds, round=4, sender=2, dtype=dtype, zstd=zstd), LAYOUT)
+    assert f.kind == "dense" and f.round == 4 and f.sender == 2
+    for d, u in zip(ds, f.to_dense(), strict=False):
+        want = d.to(torch.bfloat16).float() if dtype == "bf16" else d.float()
+        assert torch.equal(u, want)
+
+
+def test_zstd_sparse_frames_decode_to_the_same_update():
+    a = Compressor(LAYOUT, density=1 / 16, tile=16, zstd=False).compress(deltas(), round=0, sender=0)
+    b = Compressor(LAYOUT, density=1 / 16, tile=16, zstd=True).compress(deltas(), round=0, sender=0)
+    fa, fb = decode_frame(a, LAYOUT), decode_frame(b, LAYOUT)
+    assert all(torch.equal(x, y) for x, y in zip(fa.to_dense(), fb.to_dense(), strict=False))
+
+
+def _frames(n, seed=0):
+    out = []
+    for i in range(n):
+        c = Compressor(LAYOUT, density=1 / 16, tile=16)
+        out.append(decode_frame(c.compress(deltas(seed + i), round=0, sender=i), LAYOUT))
+    return out
+
+
+def test_aggregate_sum_and_mean_kept():
+    frames = _frames(3)
+    dense = [f.to_dense() for f in frames]
+    w = [0.5, 2.0, -1.0]
+    s = aggregate(LAYOUT, frames, w, mode="sum")
+    for j in range(len(SPECS)):
+        want = sum(wi * d[j] for wi, d in zip(w, dense, strict=False))
+        torch.testing.assert_close(s[j], want)
+    m = aggregate(LAYOUT, frames, mode="mean_kept")
+    for j, spec in enumerate(SPECS):
+        cnt = torch.zeros(spec.numel)
+        for f in frames:
+            cnt[f.indices[j]] += 1
+        want = sum(d[j].reshape(-1) for d in dense) / cnt.clamp(min=1)
+        torch.testing.assert_close(m[j].reshape(-1), want)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean_kept"])
+@pytest.mark.parametrize("n_frames", [1, 3])
+def test_apply_equals_adding_the_aggregate(mode, n_frames):
+    frames = _frames(n_frames)
+    w = [0.7] * n_frames
+    params = [torch.randn(s.shape).to(s.dtype) for s in SPECS]
+    want = [(p.float() + torch.tensor(0.5) * u).to(p.dtype)
+            for p, u in zip(params, aggregate(LAYOUT, frames, w, mode=mode), strict=False)]
+    apply_frames(params, frames, w, mode=mode, alpha=0.5)
+    for p, q in zip(params, want, strict=False):
+        assert torch.equal(p, q)
+
+
+def test_dense_and_sparse_frames_mix():
+    frames = _frames(2)
+    ds = [torch.ones(s.shape) for s in SPECS]
+    frames.append(decode_frame(encode_dense(LAYOUT, ds, round=0, sender=9), LAYOUT))
+    m = aggregate(LAYOUT, frames, mode="mean_kept")
+    j = 0
+    kept = torch.zeros(SPECS[j].numel)
+    total = torch.zeros(SPECS[j].numel)
+    for f in frames[:2]:
+        kept[f.indices[j]] += 1
+        total[f.indices[j]] += f.values[j]
+    want = (total + 1.0) / (kept + 1)
+    torch.testing.assert_close(m[j].reshape(-1), want)
+    params = [torch.zeros(s.shape) for s in SPECS]
+    apply_frames(params, frames, mode="mean_kept")
+    assert all(torch.equal(p, u) for p, u in zip(params, m, strict=False))
+
+
+def test_apply_touches_only_kept_coordinates():
+    (f,) = _frames(1)
+    params = [torch.zeros(s.shape).to(s.dtype) for s in SPECS]
+    apply_frames(params, [f])
+    for j, p in enumerate(params):
+        nz = p.reshape(-1).float().nonzero().reshape(-1)
+        assert set(nz.tolist()) <= set(f.indices[j].tolist())
+
+
+@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+def test_kernel_and_torch_paths_give_identical_bytes_and_state():
+    for table in ("chunk", "tensor"):
+        for coding in ("rice", "fixed"):
+            a = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, use_kernel=True)
+            b = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, use_kernel=False)
+            for r in range(3):
+                ds = deltas(r)
+                assert a.compress(ds, round=r, sender=1) == b.compress(ds, round=r, sender=1)
+                assert all(torch.equal(x, y) for x, y in zip(a.error, b.error, strict=False))
+
+
+def test_apply_to_module_parameters_in_place():
+    m = torch.nn.Linear(40, 30)
+    lay = Layout.from_named_tensors(m.named_parameters())
+    before = [p.detach().clone() for p in m.parameters()]
+    c = Compressor(lay, density=1 / 8, tile=8)
+    f = decode_frame(c.compress([torch.randn_like(p) for p in m.parameters()], round=0, sender=0), lay)
+    apply_frames(list(m.parameters()), [f], alpha=-1.0)
+    for p, b, u in zip(m.parameters(), before, f.to_dense(), strict=True):
+        assert torch.equal(p.detach(), b - u)
+
+
+def test_decoder_without_numba_gives_the_same_result():
+    """The pure-Python decoder (numba missing) agrees with the compiled one."""
+    if not kernels.HAVE_NUMBA:
+        pytest.skip("numba not installed")
+    lay = Layout([TensorSpec("m", (40, 24), torch.float32), TensorSpec("v", (9,), torch.float32)])
+    frame = Compressor(lay, density=1 / 8, tile=8).compress([torch.randn(40, 24), torch.randn(9)],
+                                                            round=0, sender=0)
+    compiled = decode_frame(frame, lay)
+    real = kernels.decode_tensor
+    try:
+        kernels.decode_tensor = real.py_func
+        plain = decode_frame(frame, lay)
+    finally:
+        kernels.decode_tensor = real
+    for a, b in zip(compiled.to_dense(), plain.to_dense(), strict=True):
+        assert torch.equal(a, b)
