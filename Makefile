@@ -32,5 +32,8 @@ bench: venv
 protos: venv
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/geoloco.proto
 
+images:
+	docker/build_images.sh
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -121,6 +121,9 @@ def _add_worker(sub: Any) -> None:
                    help="relay through an in-process link emulator with this profile (for hosts without netem)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
+    p.add_argument("--identity-file", metavar="FILE",
+                   help="reclaim the worker id and session in this JSON file (written by the "
+                   "container entrypoint's join-and-apply step)")
     p.add_argument("--wait-for", metavar="FILE", help=argparse.SUPPRESS)  # launcher: join order
     p.set_defaults(run=_run_worker)
 
@@ -178,6 +181,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
+        identity_file=args.identity_file,
     )
 
 

@@ -67,6 +67,17 @@ class WorkerOptions:
     connect_timeout_s: float = 60.0
     report_dir: Path | None = None  # writes worker-<id>.json (join, then final digest)
     max_resyncs: int = 50  # give up if the replica keeps diverging
+    identity_file: Path | None = None  # {worker_id, session} from an earlier Join to reclaim
+
+
+def read_identity(path: Path) -> tuple[int, str]:
+    """The worker id and session that an earlier Join assigned (the container entrypoint
+    joins as root to shape the link, then the worker reclaims that identity)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return int(data["worker_id"]), str(data["session"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"identity file {str(path)!r} is unreadable or lacks worker_id/session: {exc}") from None
 
 
 class RoundsFollower:
@@ -145,9 +156,13 @@ class WorkerClient:
         self.frame: bytes | None = None  # this worker's frame for ``self.round``, once computed
         self.push_info: tuple[float, float, list[int]] = (0.0, 0.0, [])
         self.pushed_round = -1
-        self.latest: dict[int, list[Tensor]] = {}  # partition -> latest pseudo-gradient
+        # partition -> its latest pseudo-gradient (CPU fp32): s + 1 model-sized buffers
+        # under gradient coding, the coded message is combined from them each round
+        self.latest: dict[int, list[Tensor]] = {}
         self.stats = {"resyncs": 0, "rejected_pushes": 0, "reconnects": 0, "bytes_pushed": 0,
                       "bytes_received": 0, "rounds_applied": 0}
+        if options.identity_file is not None:
+            self.worker_id, self.session = read_identity(options.identity_file)
 
     # ------------------------------------------------------------------ connection
 
@@ -336,7 +351,8 @@ class WorkerClient:
 
     def _compute(self) -> None:
         task, start, losses = self.task, time.monotonic(), []
-        for p in task.train_partitions:
+        trained = self._partitions_to_train(task)
+        for p in trained:
             self.latest[p], loss = self.trainer.train_partition(self.theta, p, self.round)
             losses.append(loss)
         compute_s = time.monotonic() - start
@@ -347,9 +363,18 @@ class WorkerClient:
             time.sleep(delay)
         self.frame = self._encode(message)
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
-        self.push_info = (compute_s, mean_loss, list(task.train_partitions))
+        self.push_info = (compute_s, mean_loss, trained)
         log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes",
-                 self.round, list(task.train_partitions), compute_s, mean_loss, len(self.frame))
+                 self.round, trained, compute_s, mean_loss, len(self.frame))
+
+    def _partitions_to_train(self, task: pb.WorkerTask) -> list[int]:
+        """The task's partitions, plus any partition it sends that this process never
+        trained (a pipelined worker restarted mid-run warms up like round 0)."""
+        trained = list(task.train_partitions)
+        missing = [p for p in task.send_partitions if p not in self.latest and p not in trained]
+        if missing:
+            log.info("round %d: no buffer yet for partitions %s; training them too", self.round, missing)
+        return trained + missing
 
     def _combine(self, task: pb.WorkerTask) -> list[Tensor]:
         """m = Σ_j c_j · latest[p_j] (a plain copy of Δ without gradient coding)."""

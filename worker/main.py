@@ -30,21 +30,24 @@ def run_worker(
     wan_emulate: str | None = None,
     threads: int = 1,
     wait_for: str | Path | None = None,
+    identity_file: str | Path | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
-    ``wait_for`` delays the Join until that file exists (the local launcher orders joins)."""
+    ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
+    ``identity_file`` makes the first Join reclaim the id and session written there."""
     torch.set_num_threads(threads)
     if wait_for is not None:
         _wait_for_file(Path(wait_for))
     options = WorkerOptions(address=coordinator, token=token, device=device,
                             connect_timeout_s=connect_timeout_s,
-                            report_dir=Path(report_dir) if report_dir else None)
+                            report_dir=Path(report_dir) if report_dir else None,
+                            identity_file=Path(identity_file) if identity_file else None)
     try:
         with _link(coordinator, wan_emulate) as address:
             options.address = address
             return WorkerClient(options).run()
-    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError) as exc:
+    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError) as exc:
         log.error("worker failed: %s", exc)
         return EXIT_FAILED
     except KeyboardInterrupt:

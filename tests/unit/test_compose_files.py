@@ -1,0 +1,111 @@
+"""docker-compose.yml, its GPU override and docker/cluster.toml: structure checks that need
+no Docker engine, plus `docker-compose config` (v1) and `docker compose config` (v2) where
+those binaries exist. The GPU override cannot run on machines without GPUs; this keeps it
+valid."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from geoloco.config import load_config
+from geoloco.link_profile import LinkProfile
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+GPU = ROOT / "docker-compose.gpu.yml"
+CLUSTER = ROOT / "docker" / "cluster.toml"
+WORKER_SERVICES = ("worker", "worker-b")
+
+
+def _load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())  # resolves anchors and `<<` merge keys
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load(COMPOSE)
+
+
+def test_file_format_both_compose_versions_read(compose) -> None:
+    assert compose["version"] == "2.4"
+    assert set(compose["services"]) == {"coordinator", *WORKER_SERVICES}
+    assert set(compose["networks"]) == {"region-a", "region-b"}
+
+
+def test_workers_can_scale_and_shape_their_link(compose) -> None:
+    for name in WORKER_SERVICES:
+        svc = compose["services"][name]
+        assert "container_name" not in svc and "ports" not in svc, f"{name} could not scale"
+        assert svc["cap_add"] == ["NET_ADMIN"]
+        assert svc["command"][0] == "worker"
+        assert svc["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+        assert svc["environment"]["GEOLOCO_COORDINATOR"] == "coordinator:50051"
+    assert compose["services"]["worker-b"]["scale"] == 0
+
+
+def test_coordinator_serves_both_regions_keeps_runs_and_reports_health(compose) -> None:
+    svc = compose["services"]["coordinator"]
+    assert svc["command"][0] == "coordinator"
+    assert set(svc["networks"]) == {"region-a", "region-b"}
+    volumes = " ".join(svc["volumes"])
+    assert "}:/runs" in volumes and "}:/etc/geoloco/config.toml:ro" in volumes
+    assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "geoloco.healthcheck"]
+    assert svc["environment"]["GEOLOCO_RUN_DIR"].startswith("/runs/")
+
+
+def test_cluster_config_is_valid_and_matches_the_default_scale(compose) -> None:
+    cfg = load_config(CLUSTER)
+    assert f"${{GEOLOCO_WORKERS:-{cfg.workers}}}" in compose["services"]["coordinator"]["command"]
+    assert len(cfg.network.per_worker) == cfg.workers
+    rates = [LinkProfile.parse(p).rate_bps for p in cfg.network.per_worker]
+    assert all(rates) and len(set(rates)) == cfg.workers  # each worker its own link
+
+
+def test_gpu_override_reserves_nvidia_gpus_for_workers_only() -> None:
+    gpu = _load(GPU)
+    assert gpu["version"] == "2.4"
+    assert set(gpu["services"]) == set(WORKER_SERVICES)
+    for name in WORKER_SERVICES:
+        svc = gpu["services"][name]
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+        args = svc["build"]["args"]
+        assert args["USE_WHEELHOUSE"] == "0"  # the wheelhouse holds the CPU wheel
+        assert "download.pytorch.org/whl/cu" in args["TORCH_INDEX_URL"]
+        assert svc["command"] == ["worker", "--device", "cuda"]
+        assert svc["image"] != _load(COMPOSE)["x-image"]["image"]  # CPU image stays as is
+
+
+def test_dockerfile_takes_the_build_args_compose_passes() -> None:
+    text = (ROOT / "docker" / "Dockerfile").read_text()
+    for arg in ("BASE_IMAGE=python:3.11-slim", "TORCH_INDEX_URL=", "USE_WHEELHOUSE=1"):
+        assert f"ARG {arg}" in text
+
+
+def _config(cmd: list[str], files: list[Path]) -> subprocess.CompletedProcess[str]:
+    args = [a for f in files for a in ("-f", str(f))]
+    return subprocess.run([*cmd, *args, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU]], ids=["base", "gpu"])
+def test_docker_compose_v1_accepts(files) -> None:
+    if not shutil.which("docker-compose"):
+        pytest.skip("docker-compose (v1) is not installed")
+    result = _config(["docker-compose"], files)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU]], ids=["base", "gpu"])
+def test_docker_compose_v2_accepts(files) -> None:
+    docker = shutil.which("docker")
+    if not docker or subprocess.run([docker, "compose", "version"], capture_output=True,
+                                    check=False).returncode != 0:
+        pytest.skip("the docker compose v2 plugin is not installed")
+    result = _config([docker, "compose"], files)
+    assert result.returncode == 0, result.stderr
