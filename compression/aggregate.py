@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import kernels
@@ -102,6 +103,8 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
     if len(params) != len(layout.specs):
         raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
     any_dense = any(f.kind == "dense" for f in frames)
+    if len(frames) == 1 and not any_dense and _apply_single_cpu(layout, params, frames[0], weights[0], alpha):
+        return
     scatter = []  # (param array, indices, steps) for the threaded CPU kernel
     for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
         if tuple(p.shape) != spec.shape:
@@ -131,6 +134,38 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
     if scatter:
         run_tasks([_scatter_task(arr, idx, step, a, b) for arr, idx, step in scatter
                    for a, b in pieces(len(idx), SCATTER_PIECE)], torch.get_num_threads())
+
+
+def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:
+    """One sparse frame into fp32 CPU params with the numba kernel, no torch temporaries:
+    ``p = p + fp32(alpha) * fp32(fp32(w) * v)``, the general path's bits. False (nothing
+    done) when a param does not qualify."""
+    if not kernels.HAVE_NUMBA:
+        return False
+    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
+        if tuple(p.shape) != spec.shape:
+            raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
+        if spec.numel and not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+                               and frame.indices[j].device.type == "cpu"):
+            return False
+    w32 = np.float32(weight)
+    a32 = np.float32(alpha)
+    tasks = []
+    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
+        if not spec.numel or not len(frame.indices[j]):
+            continue
+        arr = p.detach().view(-1).numpy()
+        idx = frame.indices[j].numpy()
+        val = frame.values[j].numpy()
+        tasks += [_scaled_task(arr, idx, val, w32, a32, a, b) for a, b in pieces(len(idx), SCATTER_PIECE)]
+    run_tasks(tasks, torch.get_num_threads())
+    return True
+
+
+def _scaled_task(arr, idx, val, w32, a32, a: int, b: int):
+    def run() -> None:
+        kernels.scatter_scaled(arr, idx, val, w32, a32, a, b)
+    return run
 
 
 def _scatter_task(arr, idx, step, a: int, b: int):

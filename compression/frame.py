@@ -97,6 +97,23 @@ def sparse_plan(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: 
     return tuple(plans)
 
 
+@lru_cache(maxsize=64)
+def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool):
+    """(grid rows/cols/row_tiles/col_tiles per tensor, kept offsets, table offsets) for
+    ``kernels.decode_all``, from the layout alone."""
+    plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
+    grid = np.array([[p.grid.rows, p.grid.cols, p.grid.row_tiles, p.grid.col_tiles] for p in plans],
+                    dtype=np.int64).reshape(-1, 4)
+    kept_off = np.zeros(len(plans) + 1, dtype=np.int64)
+    tab_off = np.zeros(len(plans) + 1, dtype=np.int64)
+    for j, p in enumerate(plans):
+        kept_off[j + 1] = kept_off[j] + p.kept
+        tab_off[j + 1] = tab_off[j] + p.table_bytes // 2
+    for a in (grid, kept_off, tab_off):
+        a.setflags(write=False)
+    return grid, kept_off, tab_off
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -318,24 +335,18 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> 
         raise FrameError("quantizer table has a low level above the high level")
     index = np.frombuffer(index_raw, dtype=np.uint8)
     codes = np.frombuffer(codes_raw, dtype=np.uint8)
-    indices, values = [], []
-    ipos = cpos = tpos = 0
-    for spec, plan in zip(layout.specs, plans, strict=False):
-        g = plan.grid
-        flat = np.empty(plan.kept, dtype=np.int64)
-        vals = np.empty(plan.kept, dtype=np.float32)
-        tab = levels[tpos:tpos + plan.table_bytes // 2]
-        tpos += plan.table_bytes // 2
-        if plan.kept:
-            status, c, ipos, cpos = kernels.decode_tensor(
-                index, ipos, len(index), codes, cpos, tab, per_chunk, g.rows, g.cols, g.tile,
-                g.row_tiles, g.col_tiles, k_full, fixed, flat, vals)
-            if status != kernels.OK:
-                raise FrameError(f"tensor {spec.name!r}: " + _DECODE_ERRORS[status].format(c=c))
-        indices.append(torch.from_numpy(flat))
-        values.append(torch.from_numpy(vals))
+    grid, kept_off, tab_off = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
+    flat = np.empty(kept_off[-1], dtype=np.int64)
+    vals = np.empty(kept_off[-1], dtype=np.float32)
+    status, t, c, ipos = kernels.decode_all(index, codes, levels, per_chunk, fixed, k_full, tile, grid,
+                                            kept_off, tab_off, flat, vals)
+    if status != kernels.OK:
+        raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c))
     if ipos != len(index):
         raise FrameError(f"{len(index) - ipos} unexpected bytes after the last chunk's indices")
+    flat_t, vals_t = torch.from_numpy(flat), torch.from_numpy(vals)
+    indices = [flat_t[kept_off[j]:kept_off[j + 1]] for j in range(len(layout.specs))]
+    values = [vals_t[kept_off[j]:kept_off[j + 1]] for j in range(len(layout.specs))]
     params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
               "index_coding": "fixed" if fixed else "rice"}
     return Frame("sparse", round_, sender, len(data), layout, indices, values, params=params)

@@ -702,3 +702,35 @@ def scatter_add(p, idx, step, start, stop):
     """p[idx[j]] += step[j] for j in [start, stop) (fp32; indices unique)."""
     for j in range(start, stop):
         p[idx[j]] += step[j]
+
+
+@njit(cache=True, nogil=True)
+def scatter_scaled(p, idx, v, w, a, start, stop):
+    """p[idx[j]] = p[idx[j]] + a * (w * v[j]) in fp32 for j in [start, stop) (indices unique):
+    the same bits as ``apply_frames``' general path for a single frame."""
+    for j in range(start, stop):
+        i = idx[j]
+        p[i] = p[i] + a * (w * v[j])
+
+
+
+@njit(cache=True, nogil=True)
+def decode_all(index, codes, levels, per_chunk, fixed, k_full, tile, grid, kept_off, tab_off, out_flat, out_val):
+    """Decode every tensor of a sparse frame in one call. grid[t] = (rows, cols, row_tiles,
+    col_tiles); tensor t's outputs go to out_*[kept_off[t]:kept_off[t+1]] and its table is
+    levels[tab_off[t]:tab_off[t+1]]. Returns (status, tensor, chunk, index bytes used)."""
+    ipos = 0
+    cpos = 0
+    iend = index.shape[0]
+    for t in range(grid.shape[0]):
+        k0 = kept_off[t]
+        k1 = kept_off[t + 1]
+        if k1 == k0:
+            continue
+        status, c, ipos, cpos = decode_tensor(
+            index, ipos, iend, codes, cpos, levels[tab_off[t]:tab_off[t + 1]], per_chunk,
+            grid[t, 0], grid[t, 1], tile, grid[t, 2], grid[t, 3], k_full, fixed,
+            out_flat[k0:k1], out_val[k0:k1])
+        if status != OK:
+            return status, t, c, ipos
+    return OK, grid.shape[0], 0, ipos

@@ -1,10 +1,15 @@
 """The mutation fuzzer and the codec benchmark run and report what they promise."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
-from benchmarks import fuzz_frames
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # plain `pytest` puts tests/unit, not the repository, on the path
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import fuzz_frames  # noqa: E402
 
 BENCH_KEYS = {"bits_per_param", "ratio_vs_fp32", "ratio_vs_bf16", "encode_gbps", "decode_apply_gbps",
               "ef_pass_gbps", "encode_vs_ef_pass", "decode_apply_vs_ef_pass",
