@@ -1,0 +1,37 @@
+"""The two issue-3 benchmarks run end to end in their ``--quick`` form and end with one JSON
+line holding the figures the issue names. Plumbing only: the numbers of a quick run are not
+measurements (docs/benchmarks.md has those)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+KEYS = {
+    "wan": {"sparse_round_s", "dense_round_s", "sparse_compute_s", "sparse_limit_s", "speedup",
+            "upload_ratio"},
+    "parity": {"sparseloco_loss", "diloco_loss", "adamw_loss", "ratio"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", "--quick", "--run-dir", str(tmp_path / name)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert KEYS[name] <= set(result), f"missing {KEYS[name] - set(result)} in {last}"
+    assert all(isinstance(result[k], (int, float)) for k in KEYS[name]), last
