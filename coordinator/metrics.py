@@ -31,6 +31,7 @@ class RoundMetrics:
     wait_seconds: float | None  # mean of round_seconds - compute_seconds over arrived
     rejected_frames: int
     late_frames: int
+    partitions_trained: dict[int, int] = field(default_factory=dict)  # arrived worker -> count
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -41,6 +42,9 @@ class RoundMetrics:
         data = asdict(self)
         data["upload_bytes"] = {str(k): v for k, v in self.upload_bytes.items()}
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
+        data["partitions_trained"] = {str(k): v for k, v in self.partitions_trained.items()}
+        trained = list(self.partitions_trained.values())
+        data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
         return json.dumps(_finite(data), sort_keys=True)
 
 
@@ -58,6 +62,8 @@ class RunTotals:
     rejected_frames: int = 0
     late_frames: int = 0
     extra_state_fetches: int = 0  # FetchState calls after a worker's first (resyncs)
+    partitions_trained: int = 0  # over the arrived frames: sum of partitions each trained
+    partition_reports: int = 0  # ... and how many frames reported them
     wall_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -71,6 +77,8 @@ class RunTotals:
         self.downloads += n_receivers
         self.rejected_frames += m.rejected_frames
         self.late_frames += m.late_frames
+        self.partitions_trained += sum(m.partitions_trained.values())
+        self.partition_reports += len(m.partitions_trained)
 
     def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
         up = self.upload_bytes / self.uploads if self.uploads else None
@@ -88,6 +96,8 @@ class RunTotals:
             "resync_state_fetches": self.extra_state_fetches,
             "rejected_frames": self.rejected_frames,
             "late_frames": self.late_frames,
+            "partitions_per_worker_round": (self.partitions_trained / self.partition_reports
+                                            if self.partition_reports else None),
             "wall_seconds": self.wall_seconds,
             **self.extra,
         })

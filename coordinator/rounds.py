@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from coordinator.gradient_coding import GradientCode
 
 
@@ -46,8 +48,7 @@ class ClosePolicy(Protocol):
 
 class CodePolicy:
     """Close as soon as the gradient code can decode the arrived set (scheme ``none``: all
-    n arrived). At the deadline, take whatever arrived, each frame with coefficient 1, so
-    the update is the mean over the arrived frames (none arrived: an empty update)."""
+    n arrived). At the deadline, take whatever arrived with ``deadline_decoding``."""
 
     def __init__(self, code: GradientCode) -> None:
         self.code = code
@@ -59,8 +60,23 @@ class CodePolicy:
             kept = {i: a for i, a in decoded.items() if a != 0.0}
             return Decision(kept, self.code.n, reason)
         if deadline_passed:
-            return Decision({i: 1.0 for i in sorted(arrived)}, len(arrived), "deadline")
+            coefficients, covered = deadline_decoding(self.code.B, arrived)
+            return Decision(coefficients, covered, "deadline")
         return None
+
+
+def deadline_decoding(B: np.ndarray, arrived: list[int]) -> tuple[dict[int, float], int]:
+    """Coefficients for a set that cannot be decoded exactly, and how many partitions they
+    cover: the least-squares a with sum_i a_i B[i] ~ 1 on the partitions some arrived
+    worker holds (B = I: a_i = 1, so the update is the mean over the arrived frames; FR:
+    one arrival per covered group). Nobody arrived: an empty update."""
+    if not arrived:
+        return {}, 0
+    rows = B[sorted(arrived)]
+    covered = np.flatnonzero(np.abs(rows).sum(axis=0) > 0)
+    a, *_ = np.linalg.lstsq(rows[:, covered].T, np.ones(len(covered)), rcond=None)
+    kept = {i: float(x) for i, x in zip(sorted(arrived), a, strict=True) if abs(x) > 1e-12}
+    return kept, len(covered)
 
 
 class RoundError(ValueError):

@@ -21,14 +21,14 @@ from torch import Tensor
 
 from compression import Layout, encode_dense
 from coordinator import checkpoint
-from coordinator.gradient_coding import make_code
+from coordinator.gradient_coding import GradientCode, make_code
 from coordinator.metrics import MetricsWriter, RoundMetrics, RunTotals, write_text_atomic
 from coordinator.outer import Update, apply_update, make_outer
 from coordinator.registry import WorkerRecord, WorkerRegistry
 from coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
 from coordinator.servicer import ClosedRound, CoordinatorServicer
 from geoloco import wire
-from geoloco.config import RunConfig
+from geoloco.config import ConfigError, RunConfig
 from geoloco.state import param_digest
 from geoloco.tasks import build_task
 from protos import geoloco_pb2 as pb
@@ -50,6 +50,7 @@ class Coordinator:
     """Holds the global model and the round state; serves the wire on a gRPC server."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
+        check_aggregation(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -67,6 +68,7 @@ class Coordinator:
         self.history: deque[ClosedRound] = deque(maxlen=HISTORY_ROUNDS)
         self.subscribers: dict[int, queue.Queue[ClosedRound | None]] = {}
         self.delivered_finish: set[int] = set()
+        self.ready: set[int] = set()  # fetched the state or follow Rounds (this process)
         self.rejected = 0
         self.late = 0
         self.stopping = False
@@ -80,6 +82,7 @@ class Coordinator:
         self._loop: threading.Thread | None = None
         self._started_at = time.monotonic()
         start_round = self._restore() if resume else 0
+        self.totals.extra.update(coding_summary(self.code))
         self.rs = RoundState(start_round, cfg.coordinator.deadline_s)
         self.port: int | None = None
 
@@ -101,6 +104,8 @@ class Coordinator:
         log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
                  "(%d parameters)", self.cfg.coordinator.listen, self.port, self.cfg.workers,
                  self.cfg.rounds, self.cfg.task.model, self.layout.numel)
+        log.info("gradient coding %s (n=%d, s=%d): worst-case decoding coefficient %.4g",
+                 self.code.name, self.code.n, self.code.s, self.code.worst_case_coefficient)
         self._loop = threading.Thread(target=self._run, name="round-loop", daemon=True)
         self._loop.start()
         return self.port
@@ -184,11 +189,14 @@ class Coordinator:
             log.info("initial validation loss %.4f", self.totals.initial_val_loss)
 
     def _wait_for_joins(self) -> bool:
-        """Until all workers have joined, or join_timeout_s passed with at least one."""
+        """Until all workers are ready, or join_timeout_s passed with at least one joined.
+        Round 0 waits for every worker to have fetched the state (or to follow the Rounds
+        stream) too, so that a slow starter does not lose round 0 to the deadline; a
+        resumed run waits for the joins."""
         timeout = self.cfg.coordinator.join_timeout_s
         waited_since = time.monotonic()
         with self.lock:
-            while not self.stopping and self.registry.live_count < self.cfg.workers:
+            while not self.stopping and self._ready_count() < self.cfg.workers:
                 if time.monotonic() - waited_since >= timeout:
                     if self.registry.live_count:
                         break
@@ -197,10 +205,16 @@ class Coordinator:
                 self.lock.wait(timeout=0.5)
             if self.stopping:
                 return False
-            log.info("%d of %d workers joined; opening round %d", self.registry.live_count,
-                     self.cfg.workers, self.rs.round)
+            log.info("%d of %d workers joined (%d ready); opening round %d",
+                     self.registry.live_count, self.cfg.workers, len(self.ready), self.rs.round)
             self.rs.open()
         return True
+
+    def _ready_count(self) -> int:
+        if self.rs.round > 0:
+            return self.registry.live_count
+        live = {i for i, r in self.registry.records.items() if r.live}
+        return len(live & self.ready)
 
     def _run_round(self) -> None:
         decision = self._wait_for_close()
@@ -276,6 +290,7 @@ class Coordinator:
             compute_seconds=sum(computes) / len(computes) if computes else None,
             wait_seconds=sum(seconds - c for c in computes) / len(computes) if computes else None,
             rejected_frames=counts[0], late_frames=counts[1],
+            partitions_trained={a.worker: len(a.partitions) for a in arrivals},
         )
         self.totals.add(m, max(self.registry.live_count, 1))
         self.metrics.write_round(m)
@@ -306,6 +321,10 @@ class Coordinator:
 
     def _finish_run(self) -> None:
         self._wait_finish_delivered()
+        with self.lock:  # frames refused after the last round closed
+            self.totals.rejected_frames += self.rejected
+            self.totals.late_frames += self.late
+            self.rejected = self.late = 0
         self.totals.wall_seconds += time.monotonic() - self._started_at
         self._started_at = time.monotonic()
         self.save_checkpoint(self.rs.round)
@@ -366,6 +385,8 @@ class Coordinator:
         """(round, digest, dense fp32 frame) of the parameters at the open round's start."""
         with self.lock:
             record.state_fetches += 1
+            self.ready.add(record.worker_id)
+            self.lock.notify_all()
             if record.state_fetches > 1:
                 self.totals.extra_state_fetches += 1
         with self._state_lock:
@@ -412,6 +433,8 @@ class Coordinator:
             if old is not None:
                 old.put(None)
             self.subscribers[worker] = sub
+            self.ready.add(worker)
+            self.lock.notify_all()
             backlog = [c for c in self.history if c.round >= from_round]
         return sub, backlog
 
@@ -428,6 +451,23 @@ class Coordinator:
     def open_round(self) -> int:
         with self.lock:
             return self.rs.round
+
+
+def check_aggregation(cfg: RunConfig) -> None:
+    """``mean_kept`` divides each coordinate by the number of frames that kept it, which
+    is not the decoded sum of coded messages: only the uncoded ``none`` scheme allows it."""
+    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme != "none":
+        raise ConfigError(
+            f"outer.aggregation 'mean_kept' cannot decode coding.scheme {cfg.coding.scheme!r} "
+            "(the decoding coefficients need a weighted sum); use outer.aggregation 'mean', "
+            "or coding.scheme 'none'"
+        )
+
+
+def coding_summary(code: GradientCode) -> dict[str, object]:
+    """The gradient code's figures for summary.json."""
+    return {"coding_scheme": code.name, "coding_stragglers": code.s,
+            "worst_case_coefficient": code.worst_case_coefficient}
 
 
 def _fmt(value: float | None) -> str:

@@ -181,7 +181,6 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                 _await_hang_up(context, self.core.cfg.coordinator.deadline_s)
                 self.core.mark_finish_delivered(worker)
                 return
-                return
 
     def _round_messages(self, worker: int, closed: ClosedRound) -> Iterator[pb.RoundUpdate]:
         header = pb.RoundHeader()

@@ -156,6 +156,7 @@ def configure_logging(log_file: str | None, verbose: bool = False) -> None:
 
 def _run_local(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, LOCAL_FLAGS, LOCAL_DEMO_DEFAULTS)
+    check_straggler_profiles(cfg)
     configure_logging(args.log_file, args.verbose)
     from geoloco.launcher import run_local
 
@@ -164,6 +165,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, COORDINATOR_FLAGS)
+    check_straggler_profiles(cfg)
     configure_logging(args.log_file, args.verbose)
     from coordinator.server import run_coordinator
 
@@ -183,6 +185,19 @@ def _run_worker(args: argparse.Namespace) -> int:
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
         identity_file=args.identity_file,
     )
+
+
+def check_straggler_profiles(cfg: RunConfig) -> None:
+    """Parse every worker's straggler profile now, so a typo fails at start (exit 2)
+    instead of in a worker process."""
+    from worker.stragglers import StragglerProfileError, parse_profile
+
+    names = ["stragglers.default"] + [f"stragglers.per_worker[{i}]" for i in range(len(cfg.stragglers.per_worker))]
+    for name, text in zip(names, [cfg.stragglers.default, *cfg.stragglers.per_worker], strict=True):
+        try:
+            parse_profile(text)
+        except StragglerProfileError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
 
 
 def _check_profile(text: str) -> None:

@@ -1,0 +1,203 @@
+"""Gradient coding in real rounds: real coordinator and worker processes on loopback.
+
+- ``pgc-fr`` (n = 4, s = 1): a worker SIGKILLed mid-run does not stall the run; rounds keep
+  closing as soon as they decode, far before the deadline, and the survivors end on the
+  coordinator's digest.
+- A ``fixed:4`` straggler under ``pgc-fr`` is never waited for.
+- ``gc-cr`` (n = 3, s = 1) trains s + 1 partitions per worker per round and finishes.
+- A frame that arrives after its round closed is dropped and counted as late.
+- ``benchmarks/stragglers.py --quick`` ends with its JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from run_processes import (
+    ROOT,
+    SMALL,
+    TOKEN,
+    Processes,
+    final_coordinator_digest,
+    metrics,
+    set_flags,
+    wait_until,
+    worker_reports,
+)
+
+from coordinator.server import Coordinator
+from geoloco.config import load_config
+from geoloco.wire import KEEPALIVE_S
+from worker.client import RoundResult, WorkerClient, WorkerOptions
+
+pytestmark = pytest.mark.slow
+CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}
+
+
+@pytest.fixture
+def processes(tmp_path: Path):
+    procs = Processes(tmp_path / "logs")
+    try:
+        yield procs
+    finally:
+        procs.cleanup()
+
+
+def run_local(processes: Processes, run_dir: Path, workers: int, rounds: int, scheme: str,
+              extra: list[str] = ()) -> None:
+    args = ["local", "--workers", str(workers), "--rounds", str(rounds), "--wan", "unlimited",
+            "--run-dir", str(run_dir), "--scheme", scheme, "--stragglers", "1",
+            "--deadline", "60", "--stall-timeout", "60", *extra, *set_flags(CODED)]
+    processes.start("local", args)
+    assert processes.wait("local", timeout=150) == 0, processes.log("local")[-4000:]
+
+
+def check_digests(run_dir: Path, reports: dict[int, dict], workers: list[int], rounds: int) -> None:
+    round_, digest = final_coordinator_digest(run_dir)
+    assert round_ == rounds
+    for wid in workers:
+        assert reports[wid]["status"] == "finished", reports[wid]
+        assert reports[wid]["digest"] == digest, f"worker {wid} ended on another digest"
+
+
+def test_pgc_fr_run_survives_a_killed_worker(processes: Processes, tmp_path: Path) -> None:
+    run_dir, reports, rounds, deadline = tmp_path / "run", tmp_path / "reports", 6, 60.0
+    flags = {**CODED, "coding.scheme": "pgc-fr", "coding.stragglers": "1",
+             "coordinator.deadline_s": str(deadline)}
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "4",
+                                    "--rounds", str(rounds), "--run-dir", str(run_dir), *set_flags(flags)])
+    port_file = run_dir / "coordinator.port"
+    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 60, "the port")
+    for i in range(4):
+        processes.start(f"worker-{i}", ["worker", "--coordinator", f"127.0.0.1:{port_file.read_text().strip()}",
+                                        "--token", TOKEN, "--device", "cpu", "--report-dir", str(reports)])
+    wait_until(lambda: len(metrics(run_dir)) >= 2, 90, "two rounds to close")
+    victim = worker_reports(reports)[0]["pid"]  # worker 0: the first choice of its group
+    name = next(n for n, p in processes.procs.items() if p.pid == victim)
+    processes.kill(name)
+    killed_after = len(metrics(run_dir))
+
+    assert processes.wait("coordinator", timeout=120) == 0, processes.log("coordinator")[-3000:]
+    for n in processes.procs:
+        if n.startswith("worker") and n != name:
+            assert processes.wait(n, timeout=30) == 0, processes.log(n)[-3000:]
+    lines = metrics(run_dir)
+    assert len(lines) == rounds
+    after = lines[killed_after:]
+    assert after, "the run ended before the kill took effect"
+    for m in after:
+        assert 0 not in m["arrived"], m
+        assert m["close_reason"] == "decodable", m
+        assert m["round_seconds"] < deadline / 4, m
+    check_digests(run_dir, worker_reports(reports), [1, 2, 3], rounds)
+
+
+def straggler_sleeps(log: str) -> list[float]:
+    return [float(s) for s in re.findall(r"straggler emulation sleeps ([0-9.]+)s", log)]
+
+
+def test_fixed_straggler_is_not_waited_for_under_pgc_fr(processes: Processes, tmp_path: Path) -> None:
+    run_dir, rounds = tmp_path / "run", 5
+    run_local(processes, run_dir, 4, rounds, "pgc-fr", ["--straggler", "fixed:4,none,none,none"])
+    lines = metrics(run_dir)
+    assert len(lines) == rounds
+    for m in lines:
+        assert 0 not in m["chosen"], m  # its group-mate, worker 1, stands in for it
+        assert m["close_reason"] == "decodable", m
+        assert set(m["partitions_trained"].values()) == ({2} if m["round"] == 0 else {1}), m
+    sleeps = straggler_sleeps((run_dir / "logs" / "worker-0.log").read_text())
+    assert sleeps, "the straggler never slept"
+    round_s = statistics.median(m["round_seconds"] for m in lines)
+    assert round_s < statistics.median(sleeps), (round_s, sleeps)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["late_frames"] == sum(m["late_frames"] for m in lines)
+    assert summary["worst_case_coefficient"] == 1.0 and summary["coding_scheme"] == "pgc-fr"
+    check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(4)), rounds)
+
+
+def test_gc_cr_three_workers_trains_two_partitions_and_finishes(processes: Processes, tmp_path: Path) -> None:
+    run_dir, rounds = tmp_path / "run", 4
+    run_local(processes, run_dir, 3, rounds, "gc-cr")
+    lines = metrics(run_dir)
+    assert [m["round"] for m in lines] == list(range(rounds))
+    for m in lines:
+        assert m["close_reason"] in ("decodable", "all arrived"), m
+        assert len(m["arrived"]) >= 2 and set(m["partitions_trained"].values()) == {2}, m
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["partitions_per_worker_round"] == 2.0
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    assert summary["worst_case_coefficient"] > 1.0  # CR decodes with coefficients other than 1
+    check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(3)), rounds)
+
+
+class LatePusher(WorkerClient):
+    """A real worker that pushes without looking at the Rounds stream, and only after the
+    coordinator has closed the round, as one whose results reach it late would: every
+    frame it sends is late."""
+
+    coordinator: Coordinator
+
+    def _round_step(self) -> RoundResult | None:
+        if self.frame is None and self._has_work():
+            self._compute()
+            wait_until(lambda: self.coordinator.open_round() > self.round, 60, "the round to close")
+            self._push()
+        return self._poll(KEEPALIVE_S)
+
+
+def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> None:
+    rounds = 3
+    cfg = load_config(overrides={**CODED, "workers": "2", "rounds": str(rounds), "coding.scheme": "pgc-fr",
+                                 "coding.stragglers": "1", "coordinator.listen": "127.0.0.1:0",
+                                 "coordinator.deadline_s": "60"})
+    coordinator = Coordinator(cfg, tmp_path / "run")
+    port = coordinator.start()
+    options = [WorkerOptions(address=f"127.0.0.1:{port}", token=TOKEN, device="cpu", connect_timeout_s=30,
+                             report_dir=tmp_path / "reports") for _ in range(2)]
+    late = LatePusher(options[1])
+    late.coordinator = coordinator
+    workers = [WorkerClient(options[0]), late]
+    codes: dict[int, int] = {}
+    threads = []
+    for i, w in enumerate(workers):
+        threads.append(threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True))
+        threads[-1].start()
+        if i == 0:  # the punctual worker joins first and gets id 0
+            wait_until(lambda: coordinator.registry.live_count == 1, 60, "worker 0 to join")
+    try:
+        for t in threads:
+            t.join(timeout=120)
+        assert coordinator.wait(timeout=60)
+    finally:
+        for w in workers:
+            w.close()
+        coordinator.stop(grace=0.5)
+    assert codes == {0: 0, 1: 0}
+    lines = metrics(tmp_path / "run")
+    assert all(m["arrived"] == [0] and m["chosen"] == [0] for m in lines), lines
+    assert coordinator.totals.late_frames == rounds  # one late frame a round, from worker 1
+    assert late.stats["rejected_pushes"] == rounds
+    assert coordinator.totals.rejected_frames == 0
+
+
+def test_stragglers_benchmark_quick_prints_the_json_keys(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--schemes", "none,pgc-fr",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) == {"none", "pgc-fr", "no_straggler_round_s"}
+    keys = {"round_s_mean", "round_s_p95", "partitions_per_worker_round", "loss_equal_rounds", "loss_equal_time"}
+    for scheme in ("none", "pgc-fr"):
+        assert set(result[scheme]) == keys, result[scheme]
+    assert result["pgc-fr"]["partitions_per_worker_round"] == 1.0
+    assert result["no_straggler_round_s"] > 0
