@@ -305,6 +305,7 @@ def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, worker
             h, data = w.next_round()
             assert apply_round(params, resumed.layout, h, data) == h.digest
         assert h.finished and h.round == 2
+        w.close()  # a worker hangs up once it has the last result; the run then ends
         assert resumed.wait(timeout=30)
     summary = json.loads((run_dir / "summary.json").read_text())
     for key in ("rounds", "initial_val_loss", "final_val_loss", "upload_bytes_per_worker_round",
