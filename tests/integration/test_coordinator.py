@@ -323,6 +323,7 @@ def test_diloco_broadcasts_one_dense_nesterov_frame(tmp_path, workers):
         layout = coordinator.layout
         _, _, params = a.fetch_state(layout)
         a.follow(0)
+        b.follow(0)  # round 0 opens once every joined worker fetched state or follows
         gen = torch.Generator().manual_seed(0)
         deltas = {w.id: [torch.randn(s.shape, generator=gen) * 1e-3 for s in layout.specs]
                   for w in (a, b)}
