@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import torch
 
-from . import kernels
+from . import encode_kernel, kernels
 from .layout import ChunkGrid
 from .threadpool import pieces, run_tasks
 
@@ -27,7 +27,7 @@ def _scratch(tile: int) -> tuple:
     if cache is None:
         cache = _local.scratch = {}
     if tile not in cache:
-        cache[tile] = kernels.scratch(tile)
+        cache[tile] = encode_kernel.scratch(tile)
     return cache[tile]
 
 
@@ -48,7 +48,7 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[Chu
            k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, int | None]:
     """(tables, codes, indices, index of a tensor whose error feedback overflowed or None)."""
     beta32 = np.float32(beta)
-    plans = [kernels.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
+    plans = [encode_kernel.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
              for g in grids]
     es = [e.numpy() for e in errors]
     tasks = []
@@ -62,7 +62,7 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[Chu
     def finish(j: int):
         def run() -> None:
             g = grids[j]
-            out[j] = kernels.encode_finish(es[j], g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles,
+            out[j] = encode_kernel.encode_finish(es[j], g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles,
                                            per_chunk, fixed, *plans[j][1:])
         return run
 
@@ -76,6 +76,6 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[Chu
 
 def _unit_task(e, d, beta32, g, k_full, per_chunk, fixed, u0, u1, plan):
     def run() -> None:
-        kernels.encode_units(e, d, beta32, g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full,
+        encode_kernel.encode_units(e, d, beta32, g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full,
                              per_chunk, fixed, u0, u1, *plan[1:], *_scratch(g.tile))
     return run
