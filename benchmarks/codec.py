@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame
+from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, on_huge_pages
 
 BETA = 0.95
 
@@ -91,7 +91,8 @@ def run_workload(name: str, layout: Layout, repeats: int) -> dict:
     c = Compressor(layout, beta=BETA)
     for r in range(2):  # warm-up: numba compilation, buffers, page faults
         frame = c.compress(deltas, round=r, sender=0)
-    params = [torch.zeros(s.shape) for s in layout.specs]
+    # parameters as the coordinator and workers hold them: one buffer on huge pages
+    params = on_huge_pages([torch.zeros(s.shape) for s in layout.specs])
     apply_frames(params, [decode_frame(frame, layout)])
 
     def ef_pass() -> None:

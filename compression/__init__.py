@@ -6,6 +6,7 @@ from .compressor import Compressor
 from .errors import FrameError
 from .frame import Frame, decode_frame, encode_dense
 from .layout import Layout, TensorSpec
+from .memory import on_huge_pages
 
 __all__ = [
     "Compressor",
@@ -17,4 +18,5 @@ __all__ = [
     "apply_frames",
     "decode_frame",
     "encode_dense",
+    "on_huge_pages",
 ]

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from . import kernels
+from . import decode_kernel, kernels
 from .frame import Frame
 from .layout import Layout
 from .threadpool import pieces, run_tasks
 
 MODES = ("sum", "mean_kept")
-SCATTER_PIECE = 1 << 16
+SCATTER_PIECE = 1 << 16  # kept elements per task of the multi-frame scatter
 
 
 def _check(layout: Layout, frames: Sequence[Frame], weights, mode: str) -> list[float]:
@@ -137,35 +137,24 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
 
 
 def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:
-    """One sparse frame into fp32 CPU params with the numba kernel, no torch temporaries:
-    ``p = p + fp32(alpha) * fp32(fp32(w) * v)``, the general path's bits. False (nothing
-    done) when a param does not qualify."""
-    if not kernels.HAVE_NUMBA:
+    """One sparse frame straight from its sections into fp32 CPU params, on the codec
+    threads, with no index or value arrays in between: ``p = p + fp32(alpha) *
+    fp32(fp32(w) * v)``, the general path's bits. False (nothing done) when a param does
+    not qualify."""
+    if not kernels.HAVE_NUMBA or frame.body is None:
         return False
+    addrs = np.zeros(len(params), dtype=np.int64)
     for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
         if tuple(p.shape) != spec.shape:
             raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
-        if spec.numel and not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-                               and frame.indices[j].device.type == "cpu"):
+        if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()):
             return False
-    w32 = np.float32(weight)
-    a32 = np.float32(alpha)
-    tasks = []
-    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
-        if not spec.numel or not len(frame.indices[j]):
-            continue
-        arr = p.detach().view(-1).numpy()
-        idx = frame.indices[j].numpy()
-        val = frame.values[j].numpy()
-        tasks += [_scaled_task(arr, idx, val, w32, a32, a, b) for a, b in pieces(len(idx), SCATTER_PIECE)]
-    run_tasks(tasks, torch.get_num_threads())
+        addrs[j] = p.data_ptr()
+    with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
+        problem = frame.body.run(decode_kernel.APPLY, addrs=addrs, w=weight, a=alpha)
+    if problem is not None:  # validated by decode_frame: cannot happen
+        raise AssertionError(f"applying a validated frame failed: {problem}")
     return True
-
-
-def _scaled_task(arr, idx, val, w32, a32, a: int, b: int):
-    def run() -> None:
-        kernels.scatter_scaled(arr, idx, val, w32, a32, a, b)
-    return run
 
 
 def _scatter_task(arr, idx, step, a: int, b: int):

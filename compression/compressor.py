@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import cpu_encoder, kernels, sparse_torch
@@ -21,6 +22,7 @@ from .frame import (
     TABLE_PER_CHUNK,
     TABLE_PER_TENSOR,
     _check_tensors,
+    index_offsets_section,
     write_frame,
 )
 from .layout import ChunkGrid, Layout
@@ -115,26 +117,28 @@ class Compressor:
         per_chunk = self.table == "chunk"
         fixed = self.index_coding == "fixed"
         if kernel:
-            tables, codes, index, over = cpu_encoder.encode(
+            tables, codes, index, chunk_bytes, over = cpu_encoder.encode(
                 [self.error[j] for j in live], arrays, [self._grids[j] for j in live], self.beta, self.k,
                 per_chunk, fixed, torch.get_num_threads())
         else:
-            tables, codes, index, over = self._encode_torch(live, flat, per_chunk, fixed)
+            tables, codes, index, chunk_bytes, over = self._encode_torch(live, flat, per_chunk, fixed)
         if over is not None:
             raise ValueError(f"error feedback for {self.layout.specs[live[over]].name!r} overflowed to Inf")
-        sections = [b"".join(tables), b"".join(codes), b"".join(index)]
+        offsets = index_offsets_section(np.concatenate(chunk_bytes) if chunk_bytes else np.zeros(0, np.int64))
+        sections = [b"".join(tables), b"".join(codes), b"".join(index), offsets]
         return write_frame(KIND_SPARSE, TABLE_MODES[self.table], INDEX_CODINGS[self.index_coding],
                            self.layout, round, sender, self.tile, self.k, sections, self.zstd)
 
     def _encode_torch(self, live, flat, per_chunk, fixed):
-        tables, codes, index = [], [], []
+        tables, codes, index, chunk_bytes = [], [], [], []
         for i, (j, d) in enumerate(zip(live, flat, strict=False)):
             e = self.error[j]
             e.mul_(torch.tensor(self.beta, dtype=torch.float32, device=e.device)).add_(d)
             if not bool(torch.isfinite(e).all()):
-                return tables, codes, index, i
+                return tables, codes, index, chunk_bytes, i
             p = sparse_torch.encode_tensor(e, self._grids[j], self.k, per_chunk, fixed)
             tables.append(p.table)
             codes.append(p.codes)
             index.append(p.index)
-        return tables, codes, index, None
+            chunk_bytes.append(p.index_chunk_bytes)
+        return tables, codes, index, chunk_bytes, None

@@ -45,8 +45,9 @@ def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
 
 
 def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[ChunkGrid], beta: float,
-           k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, int | None]:
-    """(tables, codes, indices, index of a tensor whose error feedback overflowed or None)."""
+           k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, list, int | None]:
+    """(tables, codes, indices, index bytes per chunk, index of a tensor whose error
+    feedback overflowed or None), one entry per tensor."""
     beta32 = np.float32(beta)
     plans = [encode_kernel.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
              for g in grids]
@@ -71,7 +72,8 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[Chu
     tables = [p[8].tobytes() for p in plans]
     codes = [p[7].tobytes() for p in plans]
     index = [o[0].tobytes() for o in out]
-    return tables, codes, index, bad
+    chunk_bytes = [(p[9] + 7) // 8 for p in plans]
+    return tables, codes, index, chunk_bytes, bad
 
 
 def _unit_task(e, d, beta32, g, k_full, per_chunk, fixed, u0, u1, plan):

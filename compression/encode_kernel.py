@@ -13,10 +13,9 @@ compare the two.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 
+from .intrinsics import LANES, f32_bits, ge_mask16, popcount
 from .kernels import (
-    HAVE_NUMBA,
     _bf16_rne,
     _fixed_width,
     _flat,
@@ -31,90 +30,11 @@ from .kernels import (
 
 MAGNITUDE = np.int32(0x7FFFFFFF)  # fp32 bits without the sign: ordered like |x|
 INF = np.int32(0x7F800000)        # |x| bits at or above: Inf or NaN
-SEG = 16            # elements per segment of a tile row (two AVX2 vectors)
+SEG = LANES         # elements per segment of a tile row (one ge_mask16)
 HINT_MARGIN = np.int32(1 << 20)  # try the previous tile's k-th largest / 2**(1/8) first
 COARSE_BIT = 19     # coarse rank values keep the exponent and the top 4 mantissa bits
+EF_BLOCK = 8192     # elements per error-feedback block (32 KB: the L1 data cache)
 GROUP_COLS = 4096   # a work unit spans up to this many columns of one band of tile rows
-
-if HAVE_NUMBA:
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def _bits(typingctx, x):
-        """The IEEE bit pattern of a float32 as int32 (a register move, no memory)."""
-        if x != types.float32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-
-        return types.int32(types.float32), codegen
-    @intrinsic
-    def _ge_mask16(typingctx, arr, i, t):
-        """Bit j set where key(arr[i + j]) >= t, for j < 16: the |x| bits of an fp32 array,
-        or the values of an int32 one (two AVX2 compares and a movemask)."""
-        if not (isinstance(arr, types.Array) and arr.dtype in (types.float32, types.int32) and arr.ndim == 1):
-            return None
-        magnitude = arr.dtype == types.float32
-
-        def codegen(context, builder, signature, args):
-            a, ix, tv = args
-            vty = ir.VectorType(ir.IntType(32), SEG)
-            data = context.make_array(signature.args[0])(context, builder, a).data
-            v = builder.load(builder.bitcast(builder.gep(data, [ix]), vty.as_pointer()), align=4)
-            if magnitude:
-                v = builder.and_(v, ir.Constant(vty, [0x7FFFFFFF] * SEG))
-            one = builder.insert_element(ir.Constant(vty, ir.Undefined), tv, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
-                                           ir.Constant(ir.VectorType(ir.IntType(32), SEG), [0] * SEG))
-            mask = builder.bitcast(builder.icmp_signed(">=", v, splat), ir.IntType(SEG))
-            return builder.zext(mask, ir.IntType(64))
-
-        return types.uint64(arr, i, types.int32), codegen
-
-    @intrinsic
-    def _ctz(typingctx, x):
-        """Trailing zero bits of a nonzero uint64 (one tzcnt)."""
-        if x != types.uint64:
-            return None
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(1)])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.cttz.i64")
-            return builder.call(fn, [args[0], ir.Constant(ir.IntType(1), 1)])
-
-        return types.uint64(types.uint64), codegen
-
-    @intrinsic
-    def _popcount(typingctx, x):
-        """Set bits of a uint64 (one popcnt)."""
-        if x != types.uint64:
-            return None
-
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.ctpop.i64")
-            return builder.call(fn, [args[0]])
-
-        return types.uint64(types.uint64), codegen
-else:  # pragma: no cover - plain Python fallbacks, used only without numba
-    def _bits(x):
-        return np.int32(np.float32(x).view(np.int32))
-
-    def _ge_mask16(arr, i, t):
-        keys = arr[i:i + SEG].view(np.int32)
-        if arr.dtype == np.float32:
-            keys = keys & 0x7FFFFFFF
-        return int(sum(1 << j for j in range(SEG) if keys[j] >= t))
-
-    def _ctz(x):
-        return (x & -x).bit_length() - 1
-
-    def _popcount(x):
-        return bin(x).count("1")
-
 
 @njit(cache=True, nogil=True)
 def _ef_span(e, d, beta):
@@ -137,23 +57,32 @@ def _seg16_max(keys, out):
 def _ef_rows(e, d, beta, row0, nrows, cols, c0, c1, tile, spr, segmax):
     """``e = beta*e + d`` in place over rows [row0, row0+nrows), columns [c0, c1) (whole
     tiles), and the segment maxima of |e|, row by row: segmax[r*w + tc*spr + s] for tile
-    row r, tile tc (from c0), segment s, with w = spr * (c1 - c0) // tile. The span of a
-    row is still in L1 when its maxima are taken."""
+    row r, tile tc (from c0), segment s, with w = spr * (c1 - c0) // tile. Rows spanning
+    the whole width are one contiguous stream, taken in blocks of about L1 size; each
+    block's maxima are taken while it is still in L1."""
     eb = e.view(np.int32)
     nt = (c1 - c0) // tile
     w = spr * nt
-    for r in range(nrows):
-        a = (row0 + r) * cols + c0
-        _ef_span(e[a:a + c1 - c0], d[a:a + c1 - c0], beta)
-        if tile % SEG == 0:
-            _seg16_max(eb[a:a + c1 - c0], segmax[r * w:(r + 1) * w])
-            continue
-        for tc in range(nt):
-            for s in range(spr):
-                m = np.int32(0)
-                for i in range(a + tc * tile + s * SEG, a + tc * tile + min(tile, s * SEG + SEG)):
-                    m = max(m, eb[i] & MAGNITUDE)
-                segmax[r * w + tc * spr + s] = m
+    width = c1 - c0
+    block = max(1, EF_BLOCK // width) if width == cols else 1
+    for r0 in range(0, nrows, block):
+        r1 = min(nrows, r0 + block)
+        a = (row0 + r0) * cols + c0
+        if width == cols:
+            _ef_span(e[a:a + (r1 - r0) * cols], d[a:a + (r1 - r0) * cols], beta)
+        else:
+            _ef_span(e[a:a + width], d[a:a + width], beta)
+        for r in range(r0, r1):
+            a = (row0 + r) * cols + c0
+            if tile % SEG == 0:
+                _seg16_max(eb[a:a + width], segmax[r * w:(r + 1) * w])
+                continue
+            for tc in range(nt):
+                for s in range(spr):
+                    m = np.int32(0)
+                    for i in range(a + tc * tile + s * SEG, a + tc * tile + min(tile, s * SEG + SEG)):
+                        m = max(m, eb[i] & MAGNITUDE)
+                    segmax[r * w + tc * spr + s] = m
 
 
 @njit(cache=True, nogil=True)
@@ -165,7 +94,7 @@ def _segmax_flat(x, n, tile, spr, segmax):
         for s in range(spr):
             m = np.int32(0)
             for q in range(r * tile + s * SEG, r * tile + min(rowlen, s * SEG + SEG)):
-                m = max(m, _bits(x[q]) & MAGNITUDE)
+                m = max(m, f32_bits(x[q]) & MAGNITUDE)
             segmax[r * spr + s] = m
 
 
@@ -184,7 +113,7 @@ def _rank_value(keys, m, r, t, high_bit, low_bit):
         c = t | np.int32(1 << bit)
         cnt = 0
         for j in range(0, m16, SEG):
-            cnt += _popcount(_ge_mask16(keys, j, c))
+            cnt += popcount(ge_mask16(keys, j, c))
         if cnt > r:
             t = c
     return t
@@ -249,22 +178,22 @@ def _scan(arr, base, stride, tile, shift, n, segmax, s0, sstride, spr, t, cand, 
         rowlen = min(tile, n - r * tile)
         p0 = r * tile + q0
         if q0 + SEG <= rowlen:
-            bits = _ge_mask16(arr, base + r * stride + q0, t)
+            bits = ge_mask16(arr, base + r * stride + q0, t)
             lo = bits & np.uint64(255)
             hi = bits >> np.uint64(8)
             for j in range(8):
                 cand[m + j] = p0 + BYTE_BITS[lo, j]
-            m += _popcount(lo)
+            m += popcount(lo)
             for j in range(8):
                 cand[m + j] = p0 + 8 + BYTE_BITS[hi, j]
-            m += _popcount(hi)
+            m += popcount(hi)
         else:
             off = base + r * stride
             for q in range(q0, rowlen):
                 cand[m] = r * tile + q
-                m += (_bits(arr[off + q]) & MAGNITUDE) >= t
+                m += (f32_bits(arr[off + q]) & MAGNITUDE) >= t
     for j in range(m):
-        keys[j] = _bits(arr[_at(base, stride, tile, shift, cand[j])]) & MAGNITUDE
+        keys[j] = f32_bits(arr[_at(base, stride, tile, shift, cand[j])]) & MAGNITUDE
     return m
 
 
@@ -337,7 +266,7 @@ def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats
             flats[s + j] = _flat(c, cand[j], rows, cols, tile, row_tiles, col_tiles)
     if per_chunk:
         for j in range(k):
-            keys[j] = _bits(vals[s + j]) & MAGNITUDE
+            keys[j] = f32_bits(vals[s + j]) & MAGNITUDE
         hi16, lo16 = _chunk_levels(keys, k, found[1], found[0])
         table[2 * c] = hi16
         table[2 * c + 1] = lo16

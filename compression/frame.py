@@ -5,7 +5,8 @@ Byte layout (little-endian; docs/codec.md is the spec):
     header   magic "GLCF", version, kind, p1, p2, layout digest (16), round u64,
              sender u32, tensors u32, elements u64, tile u16, k u32, body length u64
     body     sections, each: codec u8 (0 raw, 1 zstd), raw length u64, stored length u64,
-             stored bytes. Sparse: table, codes, index. Dense: values.
+             stored bytes. Sparse: table, codes, index, index offsets (u32 per segment of
+             64 chunks, so that threads can decode a frame together). Dense: values.
     trailer  CRC-32 of everything before it, u32
 
 Every count and length read from a frame is checked against what the layout allows
@@ -22,13 +23,14 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from . import kernels
+from . import decode_kernel, kernels
 from .bits import fixed_width, rice_param
 from .errors import FrameError
 from .layout import ChunkGrid, Layout, kept_per_chunk
+from .threadpool import pieces, run_tasks
 
 MAGIC = b"GLCF"
-VERSION = 1
+VERSION = 2  # 2: sparse frames carry index offsets per segment of chunks
 KIND_SPARSE, KIND_DENSE = 1, 2
 TABLE_PER_TENSOR, TABLE_PER_CHUNK = 0, 1
 INDEX_FIXED, INDEX_RICE = 0, 1
@@ -50,7 +52,9 @@ _DECODE_ERRORS = {
     kernels.ERR_INDEX_ORDER: "indices in chunk {c} are not strictly increasing",
     kernels.ERR_INDEX_PADDING: "nonzero padding bits after the indices of chunk {c}",
     kernels.ERR_CODE_PADDING: "nonzero padding bits after the 2-bit codes of chunk {c}",
+    kernels.ERR_SEGMENT_END: "the indices of segment {s} do not end where the next segment's offset says",
 }
+SEGMENTS_PER_TASK = 8  # decoding work handed to a thread at a time (8 x 64 chunks)
 
 try:
     import zstandard
@@ -99,8 +103,8 @@ def sparse_plan(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: 
 
 @lru_cache(maxsize=64)
 def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool):
-    """(grid rows/cols/row_tiles/col_tiles per tensor, kept offsets, table offsets) for
-    ``kernels.decode_all``, from the layout alone."""
+    """(grid rows/cols/row_tiles/col_tiles per tensor, kept offsets, table offsets, segment
+    starts) for ``decode_kernel.decode_segments``, from the layout alone."""
     plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
     grid = np.array([[p.grid.rows, p.grid.cols, p.grid.row_tiles, p.grid.col_tiles] for p in plans],
                     dtype=np.int64).reshape(-1, 4)
@@ -111,7 +115,20 @@ def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixe
         tab_off[j + 1] = tab_off[j] + p.table_bytes // 2
     for a in (grid, kept_off, tab_off):
         a.setflags(write=False)
-    return grid, kept_off, tab_off
+    return grid, kept_off, tab_off, decode_kernel.segment_starts(grid, k_full, tile)
+
+
+@lru_cache(maxsize=64)
+def layout_sizes(layout: Layout) -> tuple[int, ...]:
+    return tuple(s.numel for s in layout.specs)
+
+
+def index_offsets_section(chunk_index_bytes: np.ndarray) -> bytes:
+    """The index offsets section from the index bytes of every chunk, in frame order."""
+    starts = decode_kernel.segment_offsets(chunk_index_bytes)[:-1]
+    if len(starts) and starts[-1] >= 2**32:
+        raise ValueError("index section over 4 GiB: cut the model into several layouts")
+    return starts.astype("<u4").tobytes()
 
 
 # ----------------------------------------------------------------------------- writing
@@ -168,28 +185,114 @@ def _check_tensors(layout: Layout, tensors) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-class Frame:
-    """A validated, decoded frame.
+@dataclass(frozen=True)
+class SparseBody:
+    """A validated sparse frame's sections, in the form ``decode_kernel`` reads."""
 
-    Sparse frames hold, per tensor, the flat indices (int64, increasing within each
-    chunk) and fp32 values of the kept elements; dense frames hold fp32 tensors.
+    buf: np.ndarray        # index section + INDEX_PAD zero bytes
+    index_len: int
+    offsets: np.ndarray    # segment starts in the index section, then its length
+    codes: np.ndarray
+    levels: np.ndarray     # fp32 (hi, lo) pairs
+    per_chunk: bool
+    fixed: bool
+    k_full: int
+    tile: int
+    grid: np.ndarray
+    tab_off: np.ndarray
+    seg_start: np.ndarray
+    kept_off: np.ndarray
+    index_dtype: type
+
+    def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0) -> tuple:
+        """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
+        returns the first problem (status, tensor, chunk, segment) or None."""
+        n_seg = len(self.seg_start)
+        ranges = pieces(n_seg, SEGMENTS_PER_TASK) if n_seg else []
+        results = np.zeros((len(ranges), 4), dtype=np.int64)
+        out_flat = _EMPTY_I64 if out_flat is None else out_flat
+        out_val = _EMPTY_F32 if out_val is None else out_val
+        addrs = _EMPTY_I64 if addrs is None else addrs
+        w32, a32 = np.float32(w), np.float32(a)
+
+        def task(i: int, s0: int, s1: int):
+            def run() -> None:
+                decode_kernel.decode_segments(mode, self.buf, self.index_len, self.offsets, self.codes, self.levels,
+                                              self.per_chunk, self.fixed, self.k_full, self.tile, self.grid,
+                                              self.tab_off, self.seg_start, s0, s1, out_flat, out_val, addrs,
+                                              w32, a32, results[i])
+            return run
+
+        run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
+        bad = [tuple(int(x) for x in r) for r in results if r[0] != kernels.OK]
+        return min(bad, key=lambda r: r[3]) if bad else None
+
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+
+
+class Frame:
+    """A validated frame.
+
+    Sparse frames give, per tensor, the flat indices (int64, increasing within each
+    chunk) and fp32 values of the kept elements; they are decoded on first use (and
+    ``apply_frames`` applies one without materializing them). Dense frames hold fp32
+    tensors.
     """
 
     def __init__(self, kind: str, round: int, sender: int, nbytes: int, layout: Layout,
-                 indices=None, values=None, dense=None, params=None) -> None:
+                 indices=None, values=None, dense=None, params=None, body: SparseBody | None = None) -> None:
         self.kind = kind
         self.round = round
         self.sender = sender
         self.nbytes = nbytes
         self.layout = layout
-        self.indices: list[torch.Tensor] | None = indices
-        self.values: list[torch.Tensor] | None = values
+        self._indices: list[torch.Tensor] | None = indices
+        self._values: list[torch.Tensor] | None = values
+        self.body = body
+        self._packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.dense: list[torch.Tensor] | None = dense
         self.params: dict = params or {}
 
     @property
+    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(flat indices (int32 where every tensor allows), values, kept offsets per tensor)
+        of all tensors end to end, decoded on first use; None for other frames."""
+        if self._packed is None and self.body is not None:
+            b = self.body
+            flat = np.empty(b.kept_off[-1], dtype=b.index_dtype)
+            vals = np.empty(b.kept_off[-1], dtype=np.float32)
+            problem = b.run(decode_kernel.MATERIALIZE, flat, vals)
+            if problem is not None:  # validated by decode_frame: cannot happen
+                raise AssertionError(f"decoding a validated frame failed: {problem}")
+            self._packed = (flat, vals, b.kept_off)
+        return self._packed
+
+    def _unpack(self) -> None:
+        flat, vals, kept_off = self.packed
+        flat_t, vals_t = torch.from_numpy(flat).long(), torch.from_numpy(vals)
+        bounds = kept_off.tolist()
+        self._indices = [flat_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        self._values = [vals_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    @property
+    def indices(self) -> list[torch.Tensor] | None:
+        if self._indices is None and self.packed is not None:
+            self._unpack()
+        return self._indices
+
+    @property
+    def values(self) -> list[torch.Tensor] | None:
+        if self._values is None and self.packed is not None:
+            self._unpack()
+        return self._values
+
+    @property
     def kept(self) -> int:
-        return self.layout.numel if self.kind == "dense" else sum(len(i) for i in self.indices)
+        if self.kind == "dense":
+            return self.layout.numel
+        return int(self.body.kept_off[-1]) if self.body is not None else sum(len(i) for i in self.indices)
 
     def to_dense(self, device=None) -> list[torch.Tensor]:
         out = []
@@ -322,31 +425,51 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> 
         raise FrameError(f"kept per chunk {k_full} outside [1, {tile * tile}]")
     per_chunk, fixed = p1 == TABLE_PER_CHUNK, p2 == INDEX_FIXED
     plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
+    grid, kept_off, tab_off, seg_start = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
     t_len = sum(p.table_bytes for p in plans)
     c_len = sum(p.code_bytes for p in plans)
     i_len = sum(p.index_bytes_max for p in plans)
-    table_raw, codes_raw, index_raw = _read_sections(
-        body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed)])
+    table_raw, codes_raw, index_raw, offsets_raw = _read_sections(
+        body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed),
+               ("index offsets", 4 * len(seg_start), True)])
+    buf = np.zeros(len(index_raw) + decode_kernel.INDEX_PAD, dtype=np.uint8)
+    buf[:len(index_raw)] = np.frombuffer(index_raw, dtype=np.uint8)
+    index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
+    sparse = SparseBody(buf, len(index_raw), _offsets(offsets_raw, len(index_raw)),
+                        np.frombuffer(codes_raw, np.uint8), _levels(table_raw), per_chunk, fixed, k_full, tile, grid,
+                        tab_off, seg_start, kept_off, index_dtype)
+    problem = sparse.run(decode_kernel.VALIDATE)
+    if problem is not None:
+        status, t, c, s = problem
+        raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c, s=s))
+    params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
+              "index_coding": "fixed" if fixed else "rice"}
+    return Frame("sparse", round_, sender, len(data), layout, params=params, body=sparse)
+
+
+def _levels(table_raw: bytes) -> np.ndarray:
+    """The quantizer table as fp32 (hi, lo) pairs, checked: finite, non-negative, hi >= lo."""
     table = np.frombuffer(table_raw, dtype="<u2").astype(np.uint32)
     if ((table >> 7) & 0xFF == 0xFF).any() or (table >> 15).any():
         raise FrameError("quantizer table holds a negative, NaN or Inf level")
     levels = (table << 16).view(np.float32)
     if (levels[0::2] < levels[1::2]).any():
         raise FrameError("quantizer table has a low level above the high level")
-    index = np.frombuffer(index_raw, dtype=np.uint8)
-    codes = np.frombuffer(codes_raw, dtype=np.uint8)
-    grid, kept_off, tab_off = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
-    flat = np.empty(kept_off[-1], dtype=np.int64)
-    vals = np.empty(kept_off[-1], dtype=np.float32)
-    status, t, c, ipos = kernels.decode_all(index, codes, levels, per_chunk, fixed, k_full, tile, grid,
-                                            kept_off, tab_off, flat, vals)
-    if status != kernels.OK:
-        raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c))
-    if ipos != len(index):
-        raise FrameError(f"{len(index) - ipos} unexpected bytes after the last chunk's indices")
-    flat_t, vals_t = torch.from_numpy(flat), torch.from_numpy(vals)
-    indices = [flat_t[kept_off[j]:kept_off[j + 1]] for j in range(len(layout.specs))]
-    values = [vals_t[kept_off[j]:kept_off[j + 1]] for j in range(len(layout.specs))]
-    params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
-              "index_coding": "fixed" if fixed else "rice"}
-    return Frame("sparse", round_, sender, len(data), layout, indices, values, params=params)
+    return levels
+
+
+def _offsets(offsets_raw: bytes, index_len: int) -> np.ndarray:
+    """Segment start offsets plus the index length, checked: from 0, never decreasing,
+    inside the index section."""
+    starts = np.frombuffer(offsets_raw, dtype="<u4").astype(np.int64)
+    if len(starts) and starts[0] != 0:
+        raise FrameError(f"index offsets start at {starts[0]}, not 0")
+    past = np.flatnonzero(starts > index_len)
+    if len(past):
+        s = int(past[0])
+        raise FrameError(f"index offset of segment {s} ({starts[s]}) lies beyond the index section ({index_len} bytes)")
+    drops = np.flatnonzero(np.diff(starts) < 0)
+    if len(drops):
+        s = int(drops[0]) + 1
+        raise FrameError(f"index offset of segment {s} ({starts[s]}) lies before segment {s - 1}'s ({starts[s - 1]})")
+    return np.append(starts, np.int64(index_len))

@@ -9,23 +9,11 @@ path.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 
-try:
-    from numba import njit
+from .intrinsics import HAVE_NUMBA, njit
 
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    HAVE_NUMBA = False
-    warnings.warn("numba is not installed: the codec falls back to the (slower) torch path",
-                  RuntimeWarning, stacklevel=2)
-
-    def njit(*args, **kwargs):
-        if args and callable(args[0]):
-            return args[0]
-        return lambda f: f
+__all__ = ["HAVE_NUMBA", "njit"]
 
 
 # Decoder status codes (0 = ok); frame.py turns them into FrameError messages.
@@ -36,7 +24,7 @@ ERR_INDEX_RANGE = 3
 ERR_INDEX_ORDER = 4
 ERR_INDEX_PADDING = 5
 ERR_CODE_PADDING = 6
-ERR_INDEX_TRAILING = 7
+ERR_SEGMENT_END = 7
 
 
 @njit(cache=True, nogil=True)
@@ -87,19 +75,6 @@ def _flat(c, p, rows, cols, tile, row_tiles, col_tiles):
         r = p // tile
         return (tr * tile + r) * cols + tc * tile + (p - r * tile)
     return _leftover_flat((c - n_tiles) * tile * tile + p, rows, cols, tile, row_tiles, col_tiles)
-
-
-_DEBRUIJN = 0x03F79D71B4CB0A89
-_CTZ_TABLE = np.zeros(64, dtype=np.int64)
-for _i in range(64):
-    _CTZ_TABLE[((_DEBRUIJN << _i) & 0xFFFFFFFFFFFFFFFF) >> 58] = _i
-
-
-@njit(cache=True, nogil=True)
-def _ctz64(x):
-    """Trailing zero bits of a nonzero uint64 (de Bruijn multiplication)."""
-    low = x & (~x + np.uint64(1))
-    return _CTZ_TABLE[(low * np.uint64(_DEBRUIJN)) >> np.uint64(58)]
 
 
 @njit(cache=True, nogil=True)
@@ -214,121 +189,6 @@ def _write_index(out, o, poss, s, k, n, fixed):
 
 
 @njit(cache=True, nogil=True)
-def decode_tensor(index, ipos, iend, codes, cpos, table, per_chunk,
-                  rows, cols, tile, row_tiles, col_tiles, k_full, fixed, out_flat, out_val):
-    """Decode one tensor's positions and codes. ``table`` holds fp32 (hi, lo) pairs.
-
-    Returns (status, chunk, next index byte, next code byte). Never reads outside
-    ``index[ipos:iend]``; the caller checks ``codes`` and ``out_*`` sizes.
-    """
-    size = tile * tile
-    numel = rows * cols
-    n_tiles = row_tiles * col_tiles
-    left = numel - n_tiles * size
-    n_chunks = n_tiles + (left + size - 1) // size
-    pow2 = (tile & (tile - 1)) == 0
-    sh = 0
-    while (1 << sh) < tile:
-        sh += 1
-    lv = np.empty(4, dtype=np.float32)
-    o = 0
-    for c in range(n_chunks):
-        n = size if c < n_chunks - 1 or left % size == 0 else left % size
-        k = _kept(n, k_full, size)
-        hi = table[2 * c] if per_chunk else table[0]
-        lo = table[2 * c + 1] if per_chunk else table[1]
-        # positions
-        acc = np.uint64(0)
-        nacc = 0
-        prev = -1
-        if fixed:
-            w = _fixed_width(n)
-            for j in range(k):
-                while nacc < w:
-                    if ipos >= iend:
-                        return ERR_INDEX_TRUNCATED, c, ipos, cpos
-                    acc |= np.uint64(index[ipos]) << np.uint64(nacc)
-                    ipos += 1
-                    nacc += 8
-                p = np.int64(acc & np.uint64((1 << w) - 1))
-                acc >>= np.uint64(w)
-                nacc -= w
-                if p >= n:
-                    return ERR_INDEX_RANGE, c, ipos, cpos
-                if p <= prev:
-                    return ERR_INDEX_ORDER, c, ipos, cpos
-                prev = p
-                out_flat[o + j] = p
-        else:
-            b = _rice_param(n, k)
-            qmax = (n - 1) >> b
-            rmask = np.uint64((1 << b) - 1)
-            for j in range(k):
-                while nacc <= 56 and ipos < iend:
-                    acc |= np.uint64(index[ipos]) << np.uint64(nacc)
-                    ipos += 1
-                    nacc += 8
-                q = 0
-                while acc == 0:  # a unary run longer than the buffer (rare): consume and refill
-                    q += nacc
-                    nacc = 0
-                    if q > qmax:
-                        return ERR_UNARY_TOO_LONG, c, ipos, cpos
-                    if ipos >= iend:
-                        return ERR_INDEX_TRUNCATED, c, ipos, cpos
-                    while nacc <= 56 and ipos < iend:
-                        acc |= np.uint64(index[ipos]) << np.uint64(nacc)
-                        ipos += 1
-                        nacc += 8
-                z = _ctz64(acc)
-                q += z
-                if q > qmax:
-                    return ERR_UNARY_TOO_LONG, c, ipos, cpos
-                acc = (acc >> np.uint64(z)) >> np.uint64(1)
-                nacc -= z + 1
-                if nacc < b:
-                    while nacc <= 56 and ipos < iend:
-                        acc |= np.uint64(index[ipos]) << np.uint64(nacc)
-                        ipos += 1
-                        nacc += 8
-                    if nacc < b:
-                        return ERR_INDEX_TRUNCATED, c, ipos, cpos
-                r = np.int64(acc & rmask)
-                acc >>= np.uint64(b)
-                nacc -= b
-                p = prev + 1 + (q << b) + r
-                if p >= n:
-                    return ERR_INDEX_RANGE, c, ipos, cpos
-                prev = p
-                out_flat[o + j] = p
-        # padding: the bits left in the last byte read must be zero; whole unread bytes go back
-        if acc & np.uint64((1 << (nacc % 8)) - 1):
-            return ERR_INDEX_PADDING, c, ipos, cpos
-        ipos -= nacc // 8
-        # values, and in-chunk positions -> flat indices
-        lv[0] = lo
-        lv[1] = hi
-        lv[2] = -lo
-        lv[3] = -hi
-        for j in range(k):
-            out_val[o + j] = lv[(np.int64(codes[cpos + (j >> 2)]) >> (2 * (j & 3))) & 3]
-        if c < n_tiles and pow2:
-            tr = c // col_tiles
-            base = tr * tile * cols + (c - tr * col_tiles) * tile
-            for j in range(k):
-                p = out_flat[o + j]
-                out_flat[o + j] = base + (p >> sh) * cols + (p & (tile - 1))
-        else:
-            for j in range(k):
-                out_flat[o + j] = _flat(c, out_flat[o + j], rows, cols, tile, row_tiles, col_tiles)
-        if k % 4 and codes[cpos + k // 4] >> np.uint8(2 * (k % 4)):
-            return ERR_CODE_PADDING, c, ipos, cpos
-        cpos += (k + 3) // 4
-        o += k
-    return OK, n_chunks, ipos, cpos
-
-
-@njit(cache=True, nogil=True)
 def count_nonfinite(x, start, stop):
     """How many of the fp32 values x[start:stop] are NaN or Inf."""
     bits = x[start:stop].view(np.uint32)
@@ -343,35 +203,3 @@ def scatter_add(p, idx, step, start, stop):
     """p[idx[j]] += step[j] for j in [start, stop) (fp32; indices unique)."""
     for j in range(start, stop):
         p[idx[j]] += step[j]
-
-
-@njit(cache=True, nogil=True)
-def scatter_scaled(p, idx, v, w, a, start, stop):
-    """p[idx[j]] = p[idx[j]] + a * (w * v[j]) in fp32 for j in [start, stop) (indices unique):
-    the same bits as ``apply_frames``' general path for a single frame."""
-    for j in range(start, stop):
-        i = idx[j]
-        p[i] = p[i] + a * (w * v[j])
-
-
-
-@njit(cache=True, nogil=True)
-def decode_all(index, codes, levels, per_chunk, fixed, k_full, tile, grid, kept_off, tab_off, out_flat, out_val):
-    """Decode every tensor of a sparse frame in one call. grid[t] = (rows, cols, row_tiles,
-    col_tiles); tensor t's outputs go to out_*[kept_off[t]:kept_off[t+1]] and its table is
-    levels[tab_off[t]:tab_off[t+1]]. Returns (status, tensor, chunk, index bytes used)."""
-    ipos = 0
-    cpos = 0
-    iend = index.shape[0]
-    for t in range(grid.shape[0]):
-        k0 = kept_off[t]
-        k1 = kept_off[t + 1]
-        if k1 == k0:
-            continue
-        status, c, ipos, cpos = decode_tensor(
-            index, ipos, iend, codes, cpos, levels[tab_off[t]:tab_off[t + 1]], per_chunk,
-            grid[t, 0], grid[t, 1], tile, grid[t, 2], grid[t, 3], k_full, fixed,
-            out_flat[k0:k1], out_val[k0:k1])
-        if status != OK:
-            return status, t, c, ipos
-    return OK, grid.shape[0], 0, ipos

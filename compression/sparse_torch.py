@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .bits import fixed_width, rice_param, segment_exclusive_cumsum, write_fields
@@ -26,6 +27,7 @@ class TensorPayload:
     table: bytes  # bfloat16 bit patterns (hi, lo) per chunk or per tensor, little-endian
     codes: bytes  # 2-bit codes, 4 per byte, each chunk starting on a byte
     index: bytes  # coded in-chunk positions, each chunk starting on a byte
+    index_chunk_bytes: np.ndarray  # bytes of each chunk's coded positions
 
 
 def chunk_matrix(x: torch.Tensor, g: ChunkGrid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +105,8 @@ def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, f
     counts = [p.shape[0] for p in pos]
     codes = _pack_codes(torch.cat([c.reshape(-1) for c, _ in q]), ks, counts)
     sizes = [g.size] * full.shape[0] + ([short.numel()] if short.numel() else [])
-    index = _pack_index(pos, sizes, fixed)
-    return TensorPayload(table.contiguous().view(torch.int16).cpu().numpy().tobytes(), codes, index)
+    index, chunk_bytes = _pack_index(pos, sizes, fixed)
+    return TensorPayload(table.contiguous().view(torch.int16).cpu().numpy().tobytes(), codes, index, chunk_bytes)
 
 
 def _kvec(ks: list[int], counts: list[int], device: torch.device) -> torch.Tensor:
@@ -123,7 +125,7 @@ def _pack_codes(codes: torch.Tensor, ks: list[int], counts: list[int]) -> bytes:
     return write_fields(int(chunk_bytes.sum()), starts, codes.to(torch.int64), w, 2).cpu().numpy().tobytes()
 
 
-def _pack_index(pos: list[torch.Tensor], sizes: list[int], fixed: bool) -> bytes:
+def _pack_index(pos: list[torch.Tensor], sizes: list[int], fixed: bool) -> tuple[bytes, np.ndarray]:
     dev = pos[0].device
     ks = [p.shape[1] for p in pos]
     counts = [p.shape[0] for p in pos]
@@ -153,7 +155,8 @@ def _pack_index(pos: list[torch.Tensor], sizes: list[int], fixed: bool) -> bytes
     chunk_bytes = (chunk_bits + 7) // 8
     chunk_start = torch.cumsum(chunk_bytes, 0) - chunk_bytes
     starts = torch.repeat_interleave(chunk_start, kc) * 8 + offsets
-    return write_fields(int(chunk_bytes.sum()), starts, values, widths, maxw).cpu().numpy().tobytes()
+    packed = write_fields(int(chunk_bytes.sum()), starts, values, widths, maxw).cpu().numpy().tobytes()
+    return packed, chunk_bytes.cpu().numpy()
 
 
 def prev_of(x: torch.Tensor) -> torch.Tensor:

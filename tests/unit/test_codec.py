@@ -1,5 +1,12 @@
 """Behaviour of the SparseLoCo codec: selection, quantizer, error feedback, frames, apply."""
 
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
@@ -13,8 +20,10 @@ from compression import (
     decode_frame,
     encode_dense,
     kernels,
+    on_huge_pages,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 SPECS = [
     TensorSpec("w", (130, 200), torch.float32),
     TensorSpec("b", (77,), torch.float32),
@@ -251,19 +260,88 @@ def test_apply_to_module_parameters_in_place():
         assert torch.equal(p.detach(), b - u)
 
 
-def test_decoder_without_numba_gives_the_same_result():
-    """The pure-Python decoder (numba missing) agrees with the compiled one."""
+def test_codec_without_numba_gives_the_same_bytes_and_values(tmp_path):
+    """Where numba is missing, the torch encoder and the plain-Python decoder stand in:
+    a process that cannot import numba makes the same frame and decodes it the same way."""
     if not kernels.HAVE_NUMBA:
-        pytest.skip("numba not installed")
+        pytest.skip("numba not installed: this process already runs the fallback")
+    script = textwrap.dedent("""
+        import sys, warnings
+        sys.modules["numba"] = None  # import numba -> ImportError
+        warnings.simplefilter("ignore")
+        import torch
+        from compression import Compressor, Layout, TensorSpec, decode_frame, kernels
+        assert not kernels.HAVE_NUMBA
+        torch.manual_seed(3)
+        lay = Layout([TensorSpec("m", (40, 24), torch.float32), TensorSpec("v", (9,), torch.float32)])
+        data = Compressor(lay, density=1 / 8, tile=8).compress([torch.randn(40, 24), torch.randn(9)],
+                                                              round=0, sender=0)
+        frame = decode_frame(data, lay)
+        torch.save({"data": data, "dense": frame.to_dense()}, sys.argv[1])
+    """)
+    out = tmp_path / "fallback.pt"
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, cwd=ROOT, timeout=300)
+    plain = torch.load(out)
+    torch.manual_seed(3)
     lay = Layout([TensorSpec("m", (40, 24), torch.float32), TensorSpec("v", (9,), torch.float32)])
-    frame = Compressor(lay, density=1 / 8, tile=8).compress([torch.randn(40, 24), torch.randn(9)],
-                                                            round=0, sender=0)
-    compiled = decode_frame(frame, lay)
-    real = kernels.decode_tensor
-    try:
-        kernels.decode_tensor = real.py_func
-        plain = decode_frame(frame, lay)
-    finally:
-        kernels.decode_tensor = real
-    for a, b in zip(compiled.to_dense(), plain.to_dense(), strict=True):
+    data = Compressor(lay, density=1 / 8, tile=8).compress([torch.randn(40, 24), torch.randn(9)],
+                                                          round=0, sender=0)
+    assert plain["data"] == data
+    for a, b in zip(decode_frame(data, lay).to_dense(), plain["dense"], strict=True):
         assert torch.equal(a, b)
+
+def _with_crc(frame: bytearray) -> bytes:
+    """A frame whose checksum is recomputed after a deliberate change."""
+    frame[-4:] = zlib.crc32(bytes(frame[:-4])).to_bytes(4, "little")
+    return bytes(frame)
+
+
+def test_index_offsets_are_validated():
+    """Segments of 64 chunks are decoded in parallel from the offsets section (the last
+    one); offsets that disagree with the index stream are refused."""
+    lay = Layout([TensorSpec("w", (256, 256), torch.float32)])  # 256 chunks: 4 segments
+    frame = Compressor(lay, density=1 / 16, tile=16).compress([torch.randn(256, 256)], round=0, sender=0)
+    offs = np.frombuffer(frame[-4 - 16:-4], dtype="<u4").copy()
+    assert offs[0] == 0 and (np.diff(offs) > 0).all()
+
+    def with_offsets(values) -> bytes:
+        out = bytearray(frame)
+        out[-4 - 16:-4] = np.asarray(values, dtype="<u4").tobytes()
+        return _with_crc(out)
+
+    decode_frame(with_offsets(offs), lay)
+    with pytest.raises(FrameError, match="start at 5"):
+        decode_frame(with_offsets([5, *offs[1:]]), lay)
+    with pytest.raises(FrameError, match="segment 0 do not end"):
+        decode_frame(with_offsets([0, offs[1] + 1, *offs[2:]]), lay)
+    with pytest.raises(FrameError, match="segment 3 .* lies beyond the index section"):
+        decode_frame(with_offsets([*offs[:3], 2**31]), lay)
+    with pytest.raises(FrameError, match="segment 2 .* lies before segment 1"):
+        decode_frame(with_offsets([0, offs[2], offs[1], offs[3]]), lay)
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_single_frame_apply_matches_the_aggregate_bit_for_bit(huge):
+    """One sparse frame into fp32 CPU params is applied straight from its sections (no
+    index arrays); it must give the general path's bits, on huge pages too."""
+    lay = Layout([TensorSpec("a", (300, 130), torch.float32), TensorSpec("b", (77,), torch.float32),
+                  TensorSpec("c", (64, 64), torch.float32), TensorSpec("s", (), torch.float32)])
+    frame = Compressor(lay, density=1 / 8, tile=16).compress(
+        [torch.randn(s.shape) for s in lay.specs], round=0, sender=0)
+    f = decode_frame(frame, lay)
+    start = [torch.randn(s.shape) for s in lay.specs]
+    params = on_huge_pages(start) if huge else [p.clone() for p in start]
+    apply_frames(params, [f], [0.7], alpha=0.3)
+    assert f._packed is None  # applied without materializing indices and values
+    want = [p + torch.tensor(0.3) * u for p, u in zip(start, aggregate(lay, [f], [0.7]), strict=True)]
+    for p, q in zip(params, want, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_on_huge_pages_copies_values_and_shapes():
+    ts = [torch.randn(1000, 700), torch.randn(5), torch.zeros(0), torch.randn(3, 4).to(torch.bfloat16)]
+    out = on_huge_pages(ts)
+    for a, b in zip(ts, out, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    out[0].add_(1.0)
+    assert not torch.equal(out[0], ts[0])  # a copy, not a view of the input

@@ -1,0 +1,239 @@
+"""Decoder of a sparse frame's index and code sections (numba), one segment of chunks at
+a time so that threads can share a frame.
+
+A segment is ``SEGMENT_CHUNKS`` consecutive chunks in frame order (tensor by tensor); the
+frame's offsets section says where each segment's index bytes start (docs/codec.md).
+Indices are read 64 bits at a time: an unaligned load, a trailing-zero count for the
+unary part of a Rice code, a shift and a mask for its remainder. Every count, position,
+padding bit and segment end is checked; the first violation is reported as a status code
+that ``frame.py`` turns into a ``FrameError``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .intrinsics import add_f32_at, ctz, load_u64, prefetch_f32_at
+from .kernels import (
+    ERR_CODE_PADDING,
+    ERR_INDEX_ORDER,
+    ERR_INDEX_PADDING,
+    ERR_INDEX_RANGE,
+    ERR_INDEX_TRUNCATED,
+    ERR_SEGMENT_END,
+    ERR_UNARY_TOO_LONG,
+    OK,
+    _fixed_width,
+    _flat,
+    _kept,
+    _rice_param,
+    njit,
+)
+
+SEGMENT_CHUNKS = 64  # chunks per segment: the unit of parallel decoding (wire format v2)
+INDEX_PAD = 16       # zero bytes after the index section, so 64-bit loads stay inside
+WINDOW = 56          # bits a load at any bit offset is sure to hold (64 - 7, rounded down)
+
+
+@njit(cache=True, nogil=True)
+def _read_bits(buf, pos):
+    """The 64 bits starting at bit ``pos`` of buf, of which the low WINDOW are valid."""
+    return load_u64(buf, pos >> 3) >> np.uint64(pos & 7)
+
+
+@njit(cache=True, nogil=True)
+def _rice_chunk(buf, pos, limit, n, k, out, o):
+    """Decode k Rice-coded positions of an n-element chunk from bit pos into out[o:o+k].
+    Returns (status, bit position after the last code)."""
+    b = _rice_param(n, k)
+    rmask = np.uint64((1 << b) - 1)
+    wmask = np.uint64((1 << WINDOW) - 1)
+    prev = -1
+    for j in range(k):
+        w = _read_bits(buf, pos) & wmask
+        q = 0
+        while w == 0:  # a unary run longer than the window: rare, only in very sparse chunks
+            q += WINDOW
+            pos += WINDOW
+            if prev + 1 + (q << b) >= n:
+                return ERR_UNARY_TOO_LONG, pos
+            if pos > limit:
+                return ERR_INDEX_TRUNCATED, pos
+            w = _read_bits(buf, pos) & wmask
+        z = np.int64(ctz(w))
+        q += z
+        pos += z + 1
+        r = np.int64((_read_bits(buf, pos) if z + 1 + b > WINDOW else w >> np.uint64(z + 1)) & rmask)
+        pos += b
+        p = prev + 1 + (q << b) + r
+        if p >= n:
+            return ERR_INDEX_RANGE, pos
+        if pos > limit:
+            return ERR_INDEX_TRUNCATED, pos
+        out[o + j] = p
+        prev = p
+    return OK, pos
+
+
+@njit(cache=True, nogil=True)
+def _fixed_chunk(buf, pos, limit, n, k, out, o):
+    """Decode k fixed-width positions (strictly increasing) of an n-element chunk."""
+    w = _fixed_width(n)
+    mask = np.uint64((1 << w) - 1)
+    prev = -1
+    for j in range(k):
+        p = np.int64(_read_bits(buf, pos) & mask)
+        pos += w
+        if pos > limit:
+            return ERR_INDEX_TRUNCATED, pos
+        if p >= n:
+            return ERR_INDEX_RANGE, pos
+        if p <= prev:
+            return ERR_INDEX_ORDER, pos
+        out[o + j] = p
+        prev = p
+    return OK, pos
+
+
+@njit(cache=True, nogil=True)
+def _chunk_values(codes, cpos, k, hi, lo, lv, out_val, o):
+    """fp32 values of a chunk's k 2-bit codes (bit 0: high level, bit 1: negative), by
+    table lookup (lv: scratch of 4); False when the padding bits are not zero."""
+    lv[0] = lo
+    lv[1] = hi
+    lv[2] = -lo
+    lv[3] = -hi
+    for j in range(k):
+        out_val[o + j] = lv[(np.int64(codes[cpos + (j >> 2)]) >> (2 * (j & 3))) & 3]
+    return not (k % 4 and codes[cpos + k // 4] >> np.uint8(2 * (k % 4)))
+
+
+@njit(cache=True, nogil=True)
+def _to_flat(c, out_flat, o, k, rows, cols, tile, sh, row_tiles, col_tiles):
+    """In-chunk positions out_flat[o:o+k] of chunk c -> flat indices in its tensor
+    (sh = log2(tile) when tile is a power of two, else -1)."""
+    n_tiles = row_tiles * col_tiles
+    if c < n_tiles and sh >= 0:
+        tr = c // col_tiles
+        base = tr * tile * cols + (c - tr * col_tiles) * tile
+        for j in range(o, o + k):
+            p = out_flat[j]
+            out_flat[j] = base + (p >> sh) * cols + (p & (tile - 1))
+    else:
+        for j in range(o, o + k):
+            out_flat[j] = _flat(c, out_flat[j], rows, cols, tile, row_tiles, col_tiles)
+
+
+VALIDATE, MATERIALIZE, APPLY = 0, 1, 2  # what decode_segments does with each chunk
+
+
+@njit(cache=True, nogil=True)
+def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off,
+                    seg_start, s0, s1, out_flat, out_val, addrs, w, a, result):
+    """Decode segments [s0, s1) of a sparse frame, and per ``mode``:
+
+    - VALIDATE: only check everything;
+    - MATERIALIZE: write flat indices (per tensor; out_flat is int32 or int64) and values;
+    - APPLY: ``p_t[i] = p_t[i] + a * (w * v)`` in fp32 for every kept (i, v) of tensor t,
+      whose fp32 data starts at address addrs[t] (the frame must have been validated).
+      A chunk's cache lines are asked for before any of them is written, so the misses
+      overlap.
+
+    buf: the index section followed by INDEX_PAD zero bytes; offsets[s]: where segment s
+    starts in it (offsets[-1] == index_len). levels: fp32 (hi, lo) pairs; tab_off[t]:
+    tensor t's first pair. grid[t] = (rows, cols, row_tiles, col_tiles). seg_start[s] =
+    (tensor, chunk in tensor, first kept element, first code byte) of segment s. result =
+    (status, tensor, chunk, segment) of the first problem, status OK when there is none.
+    """
+    size = tile * tile
+    limit = index_len * 8
+    lv = np.empty(4, dtype=np.float32)
+    scratch_pos = np.empty(size, dtype=np.int64)
+    scratch_val = np.empty(size, dtype=np.float32)
+    sh = -1
+    if tile & (tile - 1) == 0:
+        sh = 0
+        while (1 << sh) < tile:
+            sh += 1
+    for s in range(s0, s1):
+        t, c, o, cpos = seg_start[s, 0], seg_start[s, 1], seg_start[s, 2], seg_start[s, 3]
+        pos = offsets[s] * 8
+        end = offsets[s + 1] * 8
+        done = 0
+        while done < SEGMENT_CHUNKS and t < grid.shape[0]:
+            rows, cols, row_tiles, col_tiles = grid[t, 0], grid[t, 1], grid[t, 2], grid[t, 3]
+            n_tiles = row_tiles * col_tiles
+            left = rows * cols - n_tiles * size
+            n_chunks = n_tiles + (left + size - 1) // size
+            if c >= n_chunks:
+                t += 1
+                c = 0
+                continue
+            n = size if c < n_chunks - 1 or left % size == 0 else left % size
+            k = _kept(n, k_full, size)
+            if fixed:
+                status, pos = _fixed_chunk(buf, pos, end, n, k, scratch_pos, 0)
+            else:
+                status, pos = _rice_chunk(buf, pos, end, n, k, scratch_pos, 0)
+            if status == OK and pos & 7:  # the bits up to the next byte must be zero
+                if _read_bits(buf, pos) & np.uint64((1 << (8 - (pos & 7))) - 1):
+                    status = ERR_INDEX_PADDING
+                pos = (pos + 7) & ~7
+            if status == OK and pos > limit:
+                status = ERR_INDEX_TRUNCATED
+            ti = tab_off[t] + (2 * c if per_chunk else 0)
+            if status == OK and not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0):
+                status = ERR_CODE_PADDING
+            if status != OK:
+                result[0], result[1], result[2], result[3] = status, t, c, s
+                return
+            if mode != VALIDATE:
+                _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
+            if mode == MATERIALIZE:
+                for j in range(k):
+                    out_flat[o + j] = scratch_pos[j]
+                    out_val[o + j] = scratch_val[j]
+            elif mode == APPLY:
+                base = addrs[t]
+                for j in range(k):
+                    prefetch_f32_at(base, scratch_pos[j])
+                for j in range(k):
+                    add_f32_at(base, scratch_pos[j], a * (w * scratch_val[j]))
+            o += k
+            cpos += (k + 3) // 4
+            c += 1
+            done += 1
+        if pos != end:
+            result[0], result[1], result[2], result[3] = ERR_SEGMENT_END, t, c, s
+            return
+    result[0] = OK
+
+
+def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
+    """seg_start rows (tensor, chunk, first kept element, first code byte) for every
+    segment of a layout, from its chunk grid alone."""
+    size = tile * tile
+    starts = []
+    chunk = kept = code = 0
+    for t, (rows, cols, row_tiles, col_tiles) in enumerate(grid.tolist()):
+        n_tiles = row_tiles * col_tiles
+        left = rows * cols - n_tiles * size
+        n_chunks = n_tiles + -(-left // size)
+        for c in range(n_chunks):
+            if chunk % SEGMENT_CHUNKS == 0:
+                starts.append((t, c, kept, code))
+            n = size if c < n_chunks - 1 or left % size == 0 else left % size
+            k = min(n, (k_full * n + size - 1) // size)
+            kept += k
+            code += (k + 3) // 4
+            chunk += 1
+    out = np.array(starts, dtype=np.int64).reshape(-1, 4)
+    out.setflags(write=False)
+    return out
+
+
+def segment_offsets(chunk_index_bytes: np.ndarray) -> np.ndarray:
+    """Where each segment's index bytes start, from the index bytes of every chunk in frame
+    order; one entry per segment plus the total."""
+    ends = np.concatenate([[0], np.cumsum(chunk_index_bytes, dtype=np.int64)])
+    return np.concatenate([ends[:-1][::SEGMENT_CHUNKS], ends[-1:]])

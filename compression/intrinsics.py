@@ -1,0 +1,170 @@
+"""Single machine instructions for the numba kernels (llvmlite intrinsics): bit casts,
+16-wide vector compares, trailing-zero and population counts, unaligned loads, and
+stores and prefetches through raw addresses (one kernel call updates many tensors). Numba's own integer typing widens and branches where these do not.
+
+Without numba, plain-Python equivalents stand in (slow, same results).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+try:
+    from numba import njit
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    HAVE_NUMBA = False
+    warnings.warn("numba is not installed: the codec falls back to the (slower) torch path",
+                  RuntimeWarning, stacklevel=2)
+
+    def njit(*args, **kwargs):
+        if args and callable(args[0]):
+            return args[0]
+        return lambda f: f
+
+LANES = 16  # elements per vector compare: two AVX2 registers of eight int32
+
+if HAVE_NUMBA:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    def _call(builder, name: str, ret, args: list, values: list):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+        return builder.call(fn, values)
+
+    @intrinsic
+    def f32_bits(typingctx, x):
+        """The IEEE bit pattern of a float32 as int32 (a register move, no memory)."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.int32(types.float32), codegen
+
+    @intrinsic
+    def ge_mask16(typingctx, arr, i, t):
+        """Bit j set where key(arr[i + j]) >= t, for j < 16: the |x| bits of an fp32 array,
+        or the values of an int32 one (two vector compares and a movemask)."""
+        if not (isinstance(arr, types.Array) and arr.dtype in (types.float32, types.int32) and arr.ndim == 1):
+            return None
+        magnitude = arr.dtype == types.float32
+
+        def codegen(context, builder, signature, args):
+            a, ix, tv = args
+            vty = ir.VectorType(ir.IntType(32), LANES)
+            data = context.make_array(signature.args[0])(context, builder, a).data
+            v = builder.load(builder.bitcast(builder.gep(data, [ix]), vty.as_pointer()), align=4)
+            if magnitude:
+                v = builder.and_(v, ir.Constant(vty, [0x7FFFFFFF] * LANES))
+            one = builder.insert_element(ir.Constant(vty, ir.Undefined), tv, ir.Constant(ir.IntType(32), 0))
+            splat = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined),
+                                           ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+            mask = builder.bitcast(builder.icmp_signed(">=", v, splat), ir.IntType(LANES))
+            return builder.zext(mask, ir.IntType(64))
+
+        return types.uint64(arr, i, types.int32), codegen
+
+    @intrinsic
+    def ctz(typingctx, x):
+        """Trailing zero bits of a nonzero uint64 (one tzcnt)."""
+        if x != types.uint64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            return _call(builder, "llvm.cttz.i64", i64, [i64, ir.IntType(1)], [args[0], ir.Constant(ir.IntType(1), 1)])
+
+        return types.uint64(types.uint64), codegen
+
+    @intrinsic
+    def popcount(typingctx, x):
+        """Set bits of a uint64 (one popcnt)."""
+        if x != types.uint64:
+            return None
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            return _call(builder, "llvm.ctpop.i64", i64, [i64], [args[0]])
+
+        return types.uint64(types.uint64), codegen
+
+    @intrinsic
+    def load_u64(typingctx, buf, i):
+        """The 8 bytes buf[i:i+8] as a little-endian uint64 (one unaligned load; the caller
+        keeps i + 8 <= len(buf))."""
+        if not (isinstance(buf, types.Array) and buf.dtype == types.uint8 and buf.ndim == 1):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+            return builder.load(ptr, align=1)
+
+        return types.uint64(buf, i), codegen
+
+    def _f32_ptr(builder, addr, i):
+        base = builder.inttoptr(addr, ir.FloatType().as_pointer())
+        return builder.gep(base, [i])
+
+    @intrinsic
+    def add_f32_at(typingctx, addr, i, x):
+        """``p[i] = p[i] + x`` for the fp32 array whose data starts at address addr."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and x == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ptr = _f32_ptr(builder, args[0], args[1])
+            builder.store(builder.fadd(builder.load(ptr), args[2]), ptr)
+            return context.get_dummy_value()
+
+        return types.void(addr, i, x), codegen
+
+    @intrinsic
+    def prefetch_f32_at(typingctx, addr, i):
+        """Ask for the cache line of element i of the fp32 array at address addr, ahead of
+        a write (a hint: never faults)."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ptr = builder.bitcast(_f32_ptr(builder, args[0], args[1]), ir.IntType(8).as_pointer())
+            i32 = ir.IntType(32)
+            _call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [ptr.type, i32, i32, i32],
+                  [ptr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(addr, i), codegen
+else:  # pragma: no cover - exercised only where numba is missing
+    def f32_bits(x):
+        return np.int32(np.float32(x).view(np.int32))
+
+    def ge_mask16(arr, i, t):
+        keys = arr[i:i + LANES].view(np.int32)
+        if arr.dtype == np.float32:
+            keys = keys & 0x7FFFFFFF
+        return np.uint64(sum(1 << j for j in range(LANES) if keys[j] >= t))
+
+    def ctz(x):
+        x = int(x)
+        return np.uint64((x & -x).bit_length() - 1)
+
+    def popcount(x):
+        return np.uint64(bin(int(x)).count("1"))
+
+    def load_u64(buf, i):
+        return np.uint64(int.from_bytes(bytes(buf[i:i + 8]), "little"))
+
+    def add_f32_at(addr, i, x):
+        import ctypes
+        cell = ctypes.c_float.from_address(int(addr) + 4 * int(i))
+        cell.value = np.float32(np.float32(cell.value) + np.float32(x))
+
+    def prefetch_f32_at(addr, i):
+        return None
