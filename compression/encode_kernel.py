@@ -246,10 +246,10 @@ def _topk(arr, base, stride, tile, shift, n, k, segmax, s0, sstride, spr, hint, 
 
 @njit(cache=True, nogil=True)
 def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats, poss, s, codes, coff, table,
-                  nbits, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
+                  nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
     """Kept values and flat indices of chunk c, its per-chunk levels and codes (the residual
-    goes to e), and its index bit count. found: (largest, k-th largest) key from _topk.
-    False when the levels overflow."""
+    goes to e), and its coded positions (into islot[c], their bit count into nbits[c]).
+    found: (largest, k-th largest) key from _topk. False when the levels overflow."""
     n_tiles = row_tiles * col_tiles
     vbits = vals.view(np.uint32)
     for j in range(k):
@@ -283,6 +283,7 @@ def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats
             tot += (cand[j] - prev - 1) >> b
             prev = cand[j]
         nbits[c] = tot
+    _write_index(islot[c], 0, poss, s, k, n, fixed)
     return True
 
 
@@ -309,9 +310,16 @@ def encode_plan(rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk):
     table = np.zeros(2 * n_chunks if per_chunk else (2 if n_chunks else 0), dtype=np.uint16)
     nbits = np.zeros(n_chunks, dtype=np.int64)
     bad = np.zeros(n_chunks, dtype=np.uint8)
+    slot = 1  # the most index bytes one chunk can take
+    for n in (size, left % size):
+        if n:
+            k = _kept(n, k_full, size)
+            b = _rice_param(n, k)
+            slot = max(slot, (k * _fixed_width(n) + 7) // 8, (k * (b + 1) + ((n - k) >> b) + 7) // 8)
+    islot = np.empty((n_chunks, slot), dtype=np.uint8)
     group = max(1, GROUP_COLS // tile)
     n_units = row_tiles * ((col_tiles + group - 1) // group) + (n_chunks - n_tiles)
-    return n_units, kc, koff, coff, vals, flats, poss, codes, table, nbits, bad
+    return n_units, kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot
 
 
 def scratch(tile: int) -> tuple:
@@ -326,7 +334,7 @@ def scratch(tile: int) -> tuple:
 
 @njit(cache=True, nogil=True)
 def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk, fixed, u0, u1,
-                 kc, koff, coff, vals, flats, poss, codes, table, nbits, bad,
+                 kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot,
                  segmax, gbuf, cand, keys, tmp, found, sc):
     """Error feedback, top-k and (per-chunk table) quantization for work units [u0, u1).
 
@@ -360,7 +368,7 @@ def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per
                 hint = max(np.int32(0), found[1] - HINT_MARGIN)
                 if found[0] >= INF or not _finish_chunk(
                         c, size, kc[c], e, base, cols, shift, cand, found, e, vals, flats, poss, koff[c], codes, coff[c], table,
-                        nbits, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
+                        nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
                     bad[c] = 1
         else:
             c = n_tiles + u - row_tiles * gpb
@@ -380,15 +388,16 @@ def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per
                 arr, base = gbuf, 0
             _topk(arr, base, tile, tile, shift, n, kc[c], segmax, 0, spr, spr, np.int32(0), cand, keys, tmp, found)
             if found[0] >= INF or not _finish_chunk(
-                    c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats, poss, koff[c], codes, coff[c], table, nbits,
-                    rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
+                    c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats, poss, koff[c], codes, coff[c], table,
+                    nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
                 bad[c] = 1
 
 
 @njit(cache=True, nogil=True)
 def encode_finish(e, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed,
-                  kc, koff, coff, vals, flats, poss, codes, table, nbits, bad):
-    """Per-tensor quantizer levels (table per tensor) and the index section.
+                  kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot):
+    """Per-tensor quantizer levels (table per tensor) and the index section, joined from
+    the chunks' slots.
 
     Returns (index bytes, nonfinite flag)."""
     size = tile * tile
@@ -418,6 +427,5 @@ def encode_finish(e, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed,
     if nonfinite:
         return index, True
     for c in range(n_chunks):
-        n = size if c < n_chunks - 1 or left % size == 0 else left % size
-        _write_index(index, ioff[c], poss, koff[c], kc[c], n, fixed)
+        index[ioff[c]:ioff[c + 1]] = islot[c, :ioff[c + 1] - ioff[c]]
     return index, False
