@@ -353,13 +353,13 @@ def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per
         shift = 0
         while (1 << shift) < tile:
             shift += 1
+    hint = np.int32(0)  # the previous tile's k-th largest, lowered: usually still k candidates
     for u in range(u0, u1):
         if u < row_tiles * gpb:
             tr = u // gpb
             tc0 = (u - tr * gpb) * group
             tc1 = min(col_tiles, tc0 + group)
             _ef_rows(e, d, beta, tr * tile, tile, cols, tc0 * tile, tc1 * tile, tile, spr, segmax)
-            hint = np.int32(0)
             for tc in range(tc0, tc1):
                 c = tr * col_tiles + tc
                 base = tr * tile * cols + tc * tile
