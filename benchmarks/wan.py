@@ -7,8 +7,9 @@ one JSON line (docs/benchmarks.md explains the regime and the figures).
     python -m benchmarks.wan --quick    # gpt-tiny, 2 workers, 2 rounds: a smoke test only
 
 The ideal SparseLoCo round is ``sparse_limit_s`` = inner compute + (bytes up + bytes down
-per worker) / link rate + one round trip: everything else (compression, decoding,
-applying, digests, the coordinator's validation loss) is overhead.
+per worker) / link rate + one round trip: everything else (compression, applying the
+round result, the coordinator's close, waiting for the slowest worker) is overhead; the
+breakdown table shows how much of each a round spent, from the coordinator's metrics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -27,8 +27,6 @@ from geoloco.launcher import run_local
 from geoloco.link_profile import LinkProfile
 
 METHODS = ("sparseloco", "diloco")
-# The worker's log line after its inner loop (worker/client.py): the round's compute time.
-TRAINED = re.compile(r"round (\d+): trained partitions .* in ([\d.]+)s")
 QUICK = {"model": "gpt-tiny", "workers": 2, "rounds": 2, "warmup_rounds": 1, "batch_size": 2,
          "seq_len": 32}
 
@@ -44,9 +42,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup-rounds", type=int, default=1,
                    help="first rounds left out of the means (start-up, first decode)")
-    p.add_argument("--val-batches", type=int, default=1,
-                   help="the coordinator measures validation loss every round (models under 20M "
-                        "parameters); one batch keeps that off the critical path as far as a user can")
+    p.add_argument("--val-every", type=int, default=None,
+                   help="coordinator.val_every (default: every round for this model). The loss is "
+                        "measured after the broadcast, but here the coordinator shares the cores "
+                        "with the workers; 0 measures it only after the last round")
+    p.add_argument("--val-batches", type=int, default=1, help="task.val_batches")
     p.add_argument("--run-dir", default="runs/bench-wan")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 workers, 2 rounds: checks the plumbing only")
     args = p.parse_args(argv)
@@ -66,6 +66,7 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
         "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
         "inner.warmup_steps": 0, "compression.method": method, "network.wan": args.wan,
         "coordinator.deadline_s": 3600.0, "coordinator.checkpoint_every": 0,
+        "coordinator.val_every": args.val_every,  # None: the config's default
     })
 
 
@@ -77,35 +78,36 @@ def measure(cfg: RunConfig, warmup_rounds: int) -> dict[str, Any]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steady = lines[warmup_rounds:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    slowest = slowest_compute(run_dir, [m["round"] for m in steady])
+
+    def mean(key: str) -> float:
+        return statistics.mean(m[key] for m in steady)
+
     return {
         "rounds": len(steady),
-        "round_s": statistics.mean(m["round_seconds"] for m in steady),
+        "round_s": mean("round_seconds"),
         "round_s_max": max(m["round_seconds"] for m in steady),
-        "compute_s": statistics.mean(slowest) if slowest else statistics.mean(
-            m["compute_seconds"] for m in steady),
-        "compute_mean_s": statistics.mean(m["compute_seconds"] for m in steady),
-        "up_bytes": statistics.mean(m["upload_bytes_per_worker"] for m in steady),
-        "down_bytes": statistics.mean(m["download_bytes_per_worker"] for m in steady),
+        # a round waits for all workers, and on shared cores they do not finish together
+        "compute_s": mean("compute_seconds_max"),
+        "compute_mean_s": mean("compute_seconds"),
+        "encode_s": mean("encode_seconds_max"),
+        "worker_apply_s": mean("worker_apply_seconds_max"),
+        "close_s": mean("close_seconds"),
+        "coordinator_apply_s": mean("coordinator_apply_seconds"),
+        "up_bytes": mean("upload_bytes_per_worker"),
+        "down_bytes": mean("download_bytes_per_worker"),
         "dense_fp32_bytes": summary["dense_fp32_bytes"],
         "final_val_loss": summary["final_val_loss"],
     }
 
 
-def slowest_compute(run_dir: Path, rounds: list[int]) -> list[float]:
-    """Per round, the slowest worker's inner-loop seconds (a round waits for all of them;
-    the coordinator's metrics keep only the mean). Empty if the worker logs do not say."""
-    per_round: dict[int, float] = {}
-    for log_path in (run_dir / "logs").glob("worker-*.log"):
-        for match in TRAINED.finditer(log_path.read_text(errors="replace")):
-            r, seconds = int(match.group(1)), float(match.group(2))
-            per_round[r] = max(per_round.get(r, 0.0), seconds)
-    return [per_round[r] for r in rounds if r in per_round] if set(rounds) <= set(per_round) else []
+def transfer_s(m: dict[str, Any], link: LinkProfile) -> float:
+    """Bytes up and down over the link rate + one round trip."""
+    return (m["up_bytes"] + m["down_bytes"]) * 8.0 / link.rate_bps + link.rtt_s
 
 
 def limit_s(m: dict[str, Any], link: LinkProfile) -> float:
-    """Inner compute + bytes up and down over the link rate + one round trip."""
-    return m["compute_s"] + (m["up_bytes"] + m["down_bytes"]) * 8.0 / link.rate_bps + link.rtt_s
+    """Inner compute + the transfer."""
+    return m["compute_s"] + transfer_s(m, link)
 
 
 def report(sparse: dict[str, Any], dense: dict[str, Any], link: LinkProfile) -> dict[str, Any]:
@@ -122,6 +124,9 @@ def report(sparse: dict[str, Any], dense: dict[str, Any], link: LinkProfile) -> 
         "sparse_over_limit": round(sparse["round_s"] / limit, 3),
         "dense_limit_s": round(limit_s(dense, link), 3),
         "dense_send_over_compute": round(dense_send_s / sparse["compute_s"], 1),
+        "sparse_encode_s": round(sparse["encode_s"], 3),
+        "sparse_worker_apply_s": round(sparse["worker_apply_s"], 3),
+        "sparse_close_s": round(sparse["close_s"], 3),
     }
 
 
@@ -133,8 +138,32 @@ def table(sparse: dict[str, Any], dense: dict[str, Any], link: LinkProfile) -> s
             ("compute s (slowest)", "compute_s", ".2f"), ("compute s (mean)", "compute_mean_s", ".2f"),
             ("upload B/worker", "up_bytes", ",.0f"),
             ("download B/worker", "down_bytes", ",.0f"), ("final val loss", "final_val_loss", ".4f")]
-    lines = [f"{'':<20}{'sparseloco':>14}{'diloco':>14}"]
-    lines += [f"{name:<20}{format(sparse[k], f):>14}{format(dense[k], f):>14}" for name, k, f in rows]
+    return _columns(rows, sparse, dense)
+
+
+def breakdown(sparse: dict[str, Any], dense: dict[str, Any], link: LinkProfile) -> str:
+    """Where a steady round's seconds go (means over the steady rounds; the worker figures
+    are each round's slowest worker, so the parts are an upper bound of the critical path
+    and "other" may come out small or negative)."""
+    for m in (sparse, dense):
+        m["transfer_s"] = transfer_s(m, link)
+        parts = ("compute_s", "encode_s", "transfer_s", "worker_apply_s", "close_s")
+        m["other_s"] = m["round_s"] - sum(m[k] for k in parts)
+    rows = [("compute (slowest)", "compute_s", ".3f"),
+            ("encode (slowest)", "encode_s", ".3f"),
+            ("transfer (ideal)", "transfer_s", ".3f"),
+            ("worker apply (slowest)", "worker_apply_s", ".3f"),
+            ("coordinator close", "close_s", ".3f"),
+            ("other: wait, gRPC, CPU", "other_s", ".3f"),
+            ("= round s (mean)", "round_s", ".3f"),
+            ("coord. apply+digest *", "coordinator_apply_s", ".3f")]
+    return (_columns(rows, sparse, dense) + "\n* after the broadcast, beside the transfer: "
+            "not on the critical path")
+
+
+def _columns(rows: list[tuple[str, str, str]], sparse: dict[str, Any], dense: dict[str, Any]) -> str:
+    lines = [f"{'':<24}{'sparseloco':>12}{'diloco':>12}"]
+    lines += [f"{name:<24}{format(sparse[k], f):>12}{format(dense[k], f):>12}" for name, k, f in rows]
     return "\n".join(lines)
 
 
@@ -147,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     sparse, dense = (measure(config(args, method), args.warmup_rounds) for method in METHODS)
     result = report(sparse, dense, link)
     print(table(sparse, dense, link))
+    print()
+    print(breakdown(sparse, dense, link))
     print(f"model {args.model}, H={args.inner_steps}, batch {args.batch_size}x{args.seq_len}, "
           f"{args.workers} workers on {link}: dense fp32 send / inner compute = "
           f"{result['dense_send_over_compute']}x; SparseLoCo round / limit = {result['sparse_over_limit']}")

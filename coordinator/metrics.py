@@ -26,12 +26,20 @@ class RoundMetrics:
     close_reason: str
     upload_bytes: dict[int, int]  # worker -> frame bytes it pushed this round
     download_bytes_per_worker: int  # round header + chosen frames sent to each worker
-    round_seconds: float
+    round_seconds: float  # from the previous round's broadcast to this one's
     compute_seconds: float | None  # mean over arrived workers
     wait_seconds: float | None  # mean of round_seconds - compute_seconds over arrived
     rejected_frames: int
     late_frames: int
     partitions_trained: dict[int, int] = field(default_factory=dict)  # arrived worker -> count
+    # Where the round's time went (None: nothing arrived). Worker figures come with the
+    # pushes; the coordinator's are its own clock.
+    compute_seconds_max: float | None = None  # the slowest arrived worker's inner loop
+    encode_seconds: float | None = None  # mean compression time of the arrived frames
+    encode_seconds_max: float | None = None
+    worker_apply_seconds_max: float | None = None  # slowest apply of the previous result
+    close_seconds: float | None = None  # last arrival -> broadcast (the coordinator's share)
+    coordinator_apply_seconds: float | None = None  # apply + digest, after the broadcast
 
     @property
     def upload_bytes_mean(self) -> float | None:

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compression import Layout, aggregate, apply_frames, decode_frame, encode_dense
+from compression import Layout, aggregate, decode_frame, encode_dense
 from coordinator.rounds import Arrival, Decision
 from geoloco.config import OuterConfig
+from geoloco.state import apply_round
 
 COORDINATOR_SENDER = 2**31 - 1  # sender id of the coordinator's own frames (fits int32 and u32)
 
@@ -42,13 +43,10 @@ class Update:
 
 
 def apply_update(params: list[Tensor], update: Update) -> None:
-    """The very call the workers make, so the coordinator's parameters match theirs bit
-    for bit."""
-    if not update.frames:
-        return
-    frames = [f.frame for f in update.frames]
-    weights = [f.weight for f in update.frames]
-    apply_frames(params, frames, weights, mode=update.mode, alpha=update.alpha)
+    """The very call the workers make (``geoloco.state.apply_round``), so the coordinator's
+    parameters match theirs bit for bit."""
+    apply_round(params, [f.frame for f in update.frames], [f.weight for f in update.frames],
+                update.mode, update.alpha)
 
 
 def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str]:

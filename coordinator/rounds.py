@@ -23,6 +23,8 @@ class Arrival:
     compute_seconds: float = 0.0
     train_loss: float = float("nan")
     partitions: tuple[int, ...] = ()
+    encode_seconds: float = 0.0  # the worker's compression time for this frame
+    apply_seconds: float = 0.0  # the worker's time to apply the previous round result
     received_at: float = field(default_factory=time.monotonic)
 
 

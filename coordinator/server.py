@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
@@ -42,7 +42,7 @@ CONFIG_FILE = "config.json"
 HISTORY_ROUNDS = 8  # closed rounds kept for Rounds streams that reconnect behind
 HISTORY_BYTES = 256 << 20  # ... and at most this many frame bytes of them (dense DiLoCo)
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
-VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # larger models: val loss only at checkpoints/end
+VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # val_every None: larger models only at checkpoints/end
 FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers and tables
 
 
@@ -217,18 +217,24 @@ class Coordinator:
         return len(live & self.ready)
 
     def _run_round(self) -> None:
+        """Close, broadcast at once, then apply and digest while the frames travel; the
+        validation loss is measured last, off the workers' critical path."""
         decision = self._wait_for_close()
         if decision is None:
             return
         rs = self.rs
         update = self.outer.step(rs.round, rs.chosen(), decision)
+        closed = self._describe(rs, update)
         with self._state_lock:  # FetchState sees the old round and params, or the new ones
-            closed = self._apply_and_describe(rs, update)
             with self.lock:
                 counts = self.rejected, self.late
                 self.rejected = self.late = 0
                 self._publish(closed)
-        self._record(rs, decision, closed, counts)
+            timing = RoundTiming(published_at=time.monotonic())
+            self._apply(update, closed)
+        timing.applied_at = time.monotonic()
+        val = self.task.val_loss(self.model) if self._measure_val(rs.round + 1) else None
+        self._record(rs, decision, closed, counts, timing, val)
         self._maybe_checkpoint(rs.round + 1)
 
     def _wait_for_close(self) -> Decision | None:
@@ -240,24 +246,36 @@ class Coordinator:
                 self.lock.wait(timeout=max(0.01, min(self.rs.seconds_left(), 0.5)))
         return None
 
-    def _apply_and_describe(self, rs: RoundState, update: Update) -> ClosedRound:
-        with torch.no_grad():
-            apply_update(self.params, update)
-        digest = self.digest()
-        last = rs.round == self.cfg.rounds - 1
-        val = self.task.val_loss(self.model) if self._measure_val(rs.round + 1) else float("nan")
+    def _describe(self, rs: RoundState, update: Update) -> ClosedRound:
         header = pb.RoundHeader(
-            round=rs.round, aggregation=update.mode, alpha=update.alpha, digest=digest,
-            finished=last, val_loss=val, arrived=sorted(rs.arrivals),
+            round=rs.round, aggregation=update.mode, alpha=update.alpha,
+            finished=rs.round == self.cfg.rounds - 1, arrived=sorted(rs.arrivals),
             frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
                     for f in update.frames],
         )
         return ClosedRound(header, b"".join(f.data for f in update.frames))
 
+    def _apply(self, update: Update, closed: ClosedRound) -> None:
+        """The outer step on the coordinator's parameters; the digest it sets is what the
+        Rounds streams send after the frames (an error ends them instead)."""
+        try:
+            with torch.no_grad():
+                apply_update(self.params, update)
+            closed.digest.set_result(self.digest())
+        except BaseException as exc:
+            closed.digest.set_exception(exc)
+            raise
+
     def _measure_val(self, next_round: int) -> bool:
-        if self.layout.numel < VAL_EVERY_ROUND_MAX_PARAMS or next_round >= self.cfg.rounds:
+        """After the last round always; else every ``coordinator.val_every`` rounds, whose
+        default (None) is every round for small models and at checkpoints for large ones."""
+        every = self.cfg.coordinator.val_every
+        if next_round >= self.cfg.rounds:
             return True
-        every = self.cfg.coordinator.checkpoint_every
+        if every is None:
+            if self.layout.numel < VAL_EVERY_ROUND_MAX_PARAMS:
+                return True
+            every = self.cfg.coordinator.checkpoint_every
         return bool(every) and next_round % every == 0
 
     def _publish(self, closed: ClosedRound) -> None:
@@ -273,30 +291,37 @@ class Coordinator:
         self.lock.notify_all()
 
     def _record(self, rs: RoundState, decision: Decision, closed: ClosedRound,
-                counts: tuple[int, int]) -> None:
-        seconds = time.monotonic() - (rs.opened_at or time.monotonic())
+                counts: tuple[int, int], timing: RoundTiming, val: float | None) -> None:
+        seconds = timing.published_at - (rs.opened_at or timing.published_at)
         arrivals = list(rs.arrivals.values())
         computes = [a.compute_seconds for a in arrivals]
+        encodes = [a.encode_seconds for a in arrivals]
         losses = [a.train_loss for a in arrivals if a.train_loss == a.train_loss]
-        val = closed.header.val_loss
+        chosen = [a for a, _ in rs.chosen()]
         m = RoundMetrics(
-            round=rs.round, val_loss=val if val == val else None,
+            round=rs.round, val_loss=val,
             train_loss=sum(losses) / len(losses) if losses else None,
             arrived=sorted(rs.arrivals), chosen=sorted(decision.coefficients),
             close_reason=decision.reason,
             upload_bytes={a.worker: len(a.data) for a in arrivals},
             download_bytes_per_worker=closed.header.ByteSize() + len(closed.data),
             round_seconds=seconds,
-            compute_seconds=sum(computes) / len(computes) if computes else None,
-            wait_seconds=sum(seconds - c for c in computes) / len(computes) if computes else None,
+            compute_seconds=_mean(computes),
+            wait_seconds=_mean([seconds - c for c in computes]),
             rejected_frames=counts[0], late_frames=counts[1],
             partitions_trained={a.worker: len(a.partitions) for a in arrivals},
+            compute_seconds_max=max(computes, default=None),
+            encode_seconds=_mean(encodes), encode_seconds_max=max(encodes, default=None),
+            worker_apply_seconds_max=max((a.apply_seconds for a in arrivals), default=None),
+            close_seconds=(timing.published_at - max(a.received_at for a in chosen)
+                           if chosen else None),
+            coordinator_apply_seconds=timing.applied_at - timing.published_at,
         )
         self.totals.add(m, max(self.registry.live_count, 1))
         self.metrics.write_round(m)
         log.info("round %d: val_loss %s, arrived %d/%d (%s), up %s B/worker, down %d B/worker, "
-                 "%.2f s", m.round, f"{m.val_loss:.4f}" if m.val_loss is not None else "-",
-                 len(m.arrived), self.cfg.workers, m.close_reason,
+                 "%.2f s", m.round, _fmt(m.val_loss), len(m.arrived), self.cfg.workers,
+                 m.close_reason,
                  f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-",
                  m.download_bytes_per_worker, m.round_seconds)
 
@@ -468,6 +493,18 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
     """The gradient code's figures for summary.json."""
     return {"coding_scheme": code.name, "coding_stragglers": code.s,
             "worst_case_coefficient": code.worst_case_coefficient}
+
+
+@dataclass
+class RoundTiming:
+    """The coordinator's clock for one round after it closed."""
+
+    published_at: float
+    applied_at: float = 0.0
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _fmt(value: float | None) -> str:

@@ -9,7 +9,9 @@ import queue
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,11 +31,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ClosedRound:
-    """A broadcast round result: the header (without the per-worker next task) and the
-    chosen frames back to back."""
+    """A broadcast round result: the header (without the per-worker next task), the
+    chosen frames back to back, and the digest of the parameters after the round, which
+    the coordinator sets once it has applied the round (the broadcast does not wait)."""
 
     header: pb.RoundHeader
     data: bytes
+    digest: Future[str] = field(default_factory=Future)
 
     @property
     def round(self) -> int:
@@ -42,7 +46,6 @@ class ClosedRound:
     @property
     def finished(self) -> bool:
         return self.header.finished
-
 
 
 class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
@@ -112,7 +115,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             return str(exc)
         try:
             self.core.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
-                                     tuple(h.partitions)))
+                                     tuple(h.partitions), h.encode_seconds, h.apply_seconds))
         except RoundError as exc:
             return str(exc)
         return None
@@ -176,19 +179,28 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                     continue
             if closed is None:
                 return
-            yield from self._round_messages(worker, closed)
+            yield from self._round_messages(worker, closed, context)
             if closed.finished:
                 _await_hang_up(context, self.core.cfg.coordinator.deadline_s)
                 self.core.mark_finish_delivered(worker)
                 return
 
-    def _round_messages(self, worker: int, closed: ClosedRound) -> Iterator[pb.RoundUpdate]:
+    def _round_messages(self, worker: int, closed: ClosedRound,
+                        context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
+        """Header, frame data cut at frame boundaries (a worker decodes each frame while the
+        next one travels), then the digest, waited for only after the data is out."""
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.core.task_for(worker, closed.round + 1))
         yield pb.RoundUpdate(header=header)
-        for chunk in wire.chunks(closed.data):
-            yield pb.RoundUpdate(data=chunk)
+        view, start = memoryview(closed.data), 0
+        for info in closed.header.frames:
+            for chunk in wire.chunks(view[start:start + info.nbytes]):
+                yield pb.RoundUpdate(data=chunk)
+            start += info.nbytes
+        digest = _await_digest(closed, context)
+        if digest is not None:
+            yield pb.RoundUpdate(digest=pb.RoundDigest(round=closed.round, digest=digest))
 
     def _authenticate(self, worker_id: int, session: str,
                       context: grpc.ServicerContext) -> WorkerRecord:
@@ -197,6 +209,17 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         except RegistryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
+
+
+def _await_digest(closed: ClosedRound, context: grpc.ServicerContext) -> str | None:
+    """The round's digest once the coordinator has applied the round; None if the caller
+    hung up first. A failed round loop (the future holds its exception) ends the stream."""
+    while context.is_active():
+        try:
+            return closed.digest.result(timeout=wire.KEEPALIVE_S)
+        except FutureTimeout:
+            continue
+    return None
 
 
 def _await_hang_up(context: grpc.ServicerContext, limit_s: float) -> None:

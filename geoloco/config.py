@@ -116,6 +116,9 @@ class CoordinatorConfig:
     deadline_s: float = 300.0  # a round closes at this deadline whatever has arrived
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
+    # rounds between validation losses, always measured after the broadcast; 0: only the
+    # last round; None: every round for models under 20M parameters, else at checkpoints
+    val_every: int | None = None
 
 
 @dataclass
@@ -252,6 +255,8 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_range("coordinator.deadline_s", co.deadline_s, 0.1, 1e6)
     _check_range("coordinator.join_timeout_s", co.join_timeout_s, 0.1, 1e6)
     _check_range("coordinator.checkpoint_every", co.checkpoint_every, 0, 10**7)
+    if co.val_every is not None:
+        _check_range("coordinator.val_every", co.val_every, 0, 10**7)
     if not co.token:
         raise ConfigError("coordinator.token must not be empty")
 
@@ -333,6 +338,8 @@ def _coerce(name: str, ftype: str, value: Any) -> Any:
     try:
         if ftype == "int":
             return int(value)
+        if ftype == "int | None":
+            return None if value.lower() == "none" else int(value)
         if ftype in ("float", "float | None"):
             return None if value.lower() == "none" else float(value)
         if ftype == "bool":

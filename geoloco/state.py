@@ -1,14 +1,45 @@
-"""Parameter digests: a sha256 over the exact bytes, shapes and dtypes of a list of tensors,
-so the coordinator and every replica can prove they hold bit-identical parameters.
+"""Replica state shared by the coordinator and every worker: how one round's frames are
+applied to the parameters (identically everywhere), and the sha256 parameter digest that
+proves the replicas hold bit-identical parameters afterwards (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+from compression import Frame, apply_frames
+
+INCREMENTAL_MODES = ("sum",)  # modes whose frames are applied one at a time, in order
+
+
+def apply_round(params: Sequence[Tensor], frames: Iterable[Frame], weights: Sequence[float],
+                mode: str, alpha: float) -> None:
+    """``params += alpha · U`` for one round's frames, with the same arithmetic on every
+    replica. With mode ``sum`` each frame is applied on its own, in order
+    (``p = p + alpha · w_i · v_i``), so a worker can apply a frame as soon as it has
+    arrived and need not hold the round's frames together; ``frames`` may be a generator
+    that waits for them. ``mean_kept`` divides each coordinate by how many frames kept it,
+    so its frames are gathered and applied together."""
+    weights = [float(w) for w in weights]
+    if mode in INCREMENTAL_MODES:
+        count = 0
+        for frame in frames:
+            if count >= len(weights):
+                raise ValueError(f"more frames than the {len(weights)} weights")
+            apply_frames(params, [frame], [weights[count]], mode=mode, alpha=alpha)
+            count += 1
+        if count != len(weights):
+            raise ValueError(f"{count} frames for {len(weights)} weights")
+        return
+    gathered = list(frames)
+    if gathered:
+        apply_frames(params, gathered, weights, mode=mode, alpha=alpha)
+    elif weights:
+        raise ValueError(f"0 frames for {len(weights)} weights")
 
 
 def param_digest(tensors: Sequence[Tensor]) -> str:

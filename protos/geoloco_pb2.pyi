@@ -71,7 +71,7 @@ class StateChunk(_message.Message):
     def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., task: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions")
+    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions", "encode_seconds", "apply_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,8 @@ class PushHeader(_message.Message):
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     session: str
     round: int
@@ -86,7 +88,9 @@ class PushHeader(_message.Message):
     compute_seconds: float
     train_loss: float
     partitions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ...) -> None: ...
+    encode_seconds: float
+    apply_seconds: float
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ..., encode_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -139,36 +143,42 @@ class FrameInfo(_message.Message):
     def __init__(self, sender: _Optional[int] = ..., weight: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("round", "frames", "aggregation", "alpha", "digest", "next_task", "finished", "val_loss", "arrived")
+    __slots__ = ("round", "frames", "aggregation", "alpha", "next_task", "finished", "arrived")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
-    DIGEST_FIELD_NUMBER: _ClassVar[int]
     NEXT_TASK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
-    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
     round: int
     frames: _containers.RepeatedCompositeFieldContainer[FrameInfo]
     aggregation: str
     alpha: float
-    digest: str
     next_task: WorkerTask
     finished: bool
-    val_loss: float
     arrived: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., digest: _Optional[str] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., val_loss: _Optional[float] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RoundDigest(_message.Message):
+    __slots__ = ("round", "digest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    digest: str
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class RoundUpdate(_message.Message):
-    __slots__ = ("header", "data", "keepalive")
+    __slots__ = ("header", "data", "keepalive", "digest")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     header: RoundHeader
     data: bytes
     keepalive: Keepalive
-    def __init__(self, header: _Optional[_Union[RoundHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., keepalive: _Optional[_Union[Keepalive, _Mapping]] = ...) -> None: ...
+    digest: RoundDigest
+    def __init__(self, header: _Optional[_Union[RoundHeader, _Mapping]] = ..., data: _Optional[bytes] = ..., keepalive: _Optional[_Union[Keepalive, _Mapping]] = ..., digest: _Optional[_Union[RoundDigest, _Mapping]] = ...) -> None: ...
 
 class Keepalive(_message.Message):
     __slots__ = ("round",)

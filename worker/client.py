@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +21,10 @@ import grpc
 import torch
 from torch import Tensor
 
-from compression import Compressor, Layout, apply_frames, decode_frame, encode_dense
+from compression import Compressor, Frame, FrameError, Layout, decode_frame, encode_dense
 from geoloco import wire
 from geoloco.config import RunConfig, validate
-from geoloco.state import param_digest
+from geoloco.state import apply_round, param_digest
 from geoloco.tasks import build_task
 from protos import geoloco_pb2 as pb
 from protos import geoloco_pb2_grpc as pb_grpc
@@ -35,6 +36,7 @@ BACKOFF_START_S = 0.5  # first retry delay; doubles up to BACKOFF_MAX_S (docs/pr
 BACKOFF_MAX_S = 10.0
 JOIN_CALL_TIMEOUT_S = 10.0  # one Join attempt; a dead address fails much faster
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
 
 
 class CoordinatorUnreachable(RuntimeError):
@@ -51,10 +53,24 @@ class Disconnected(Exception):
 
 @dataclass
 class RoundResult:
-    """One closed round as broadcast by the coordinator: its header and the frames' bytes."""
+    """One closed round as broadcast by the coordinator. It is queued as soon as its header
+    is in; its frames follow, each decoded as soon as its bytes are in, and then the digest
+    the coordinator sends once it has applied the round itself."""
 
     header: pb.RoundHeader
-    frames: list[bytes] = field(default_factory=list)
+    frames: queue.Queue[Frame | Exception] = field(default_factory=queue.Queue)
+    nbytes: int = 0  # frame bytes received so far
+    complete_at: float | None = None  # monotonic time the last frame byte was in
+    digest: Future[str] = field(default_factory=Future)  # Disconnected if it never comes
+
+    def decoded_frames(self) -> Iterator[Frame]:
+        """The header's frames in order, each as soon as it is decoded; FrameError for a
+        frame that does not decode, Disconnected when the stream broke first."""
+        for _ in self.header.frames:
+            item = self.frames.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
 
 @dataclass
@@ -81,12 +97,16 @@ def read_identity(path: Path) -> tuple[int, str]:
 
 
 class RoundsFollower:
-    """Background thread reading the Rounds stream into a queue of RoundResult, and a
-    Disconnected marker when the stream ends or breaks."""
+    """Background thread reading the Rounds stream: queues a RoundResult as soon as its
+    header is in, decodes each of its frames as soon as the frame's bytes are in, fills in
+    its digest when that arrives, and queues a Disconnected marker when the stream ends or
+    breaks."""
 
-    def __init__(self, stub: pb_grpc.CoordinatorStub, request: pb.RoundsRequest) -> None:
+    def __init__(self, stub: pb_grpc.CoordinatorStub, request: pb.RoundsRequest, layout: Layout) -> None:
         self.results: queue.Queue[RoundResult | Disconnected] = queue.Queue()
         self.open_round = -1
+        self.layout = layout
+        self._pending: RoundResult | None = None  # its frames or digest still to come
         self._call = stub.Rounds(request)
         self._thread = threading.Thread(target=self._run, name="rounds-stream", daemon=True)
         self._thread.start()
@@ -99,6 +119,14 @@ class RoundsFollower:
             reason = f"Rounds stream broke: {exc.code().name} {exc.details()}"
         except ValueError as exc:
             reason = f"Rounds stream is malformed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the main thread must not wait forever
+            log.exception("the Rounds stream reader failed")
+            reason = f"Rounds stream reader failed: {exc!r}"
+        pending = self._pending
+        if pending is not None:  # whoever waits for its frames or digest learns it ended
+            gone = Disconnected(f"round {pending.header.round} result cut off: {reason}")
+            pending.frames.put(gone)
+            pending.digest.set_exception(gone)
         self.results.put(Disconnected(reason))
 
     def _read(self, updates: Iterator[pb.RoundUpdate]) -> None:
@@ -107,26 +135,51 @@ class RoundsFollower:
             if kind == "keepalive":
                 self.open_round = update.keepalive.round
             elif kind == "header":
-                self.results.put(self._collect(update.header, updates))
+                if self._pending is not None:
+                    raise ValueError(f"round {update.header.round} began before the digest of "
+                                     f"round {self._pending.header.round}")
+                self._pending = RoundResult(update.header)
+                self.results.put(self._pending)
+                self._collect(self._pending, updates)
+            elif kind == "digest":
+                self._take_digest(update.digest)
             else:
                 raise ValueError("frame data without a round header")
 
-    @staticmethod
-    def _collect(header: pb.RoundHeader, updates: Iterator[pb.RoundUpdate]) -> RoundResult:
-        need = sum(f.nbytes for f in header.frames)
-        data = bytearray()
-        while len(data) < need:
-            update = next(updates)
-            if update.WhichOneof("part") != "data":
-                raise ValueError(f"round {header.round}: {len(data)} of {need} frame bytes before the next message")
-            data += update.data
-        if len(data) != need:
-            raise ValueError(f"round {header.round}: {len(data)} frame bytes, header says {need}")
-        frames, start = [], 0
-        for info in header.frames:
-            frames.append(bytes(data[start : start + info.nbytes]))
-            start += info.nbytes
-        return RoundResult(header, frames)
+    def _take_digest(self, msg: pb.RoundDigest) -> None:
+        result = self._pending
+        if result is None or msg.round != result.header.round:
+            raise ValueError(f"digest for round {msg.round} without its round result")
+        self._pending = None
+        result.digest.set_result(msg.digest)
+
+    def _collect(self, result: RoundResult, updates: Iterator[pb.RoundUpdate]) -> None:
+        """Read the frames' bytes, decoding each frame as soon as it is complete (only the
+        last decode waits for the link); a frame that does not decode is passed on as its
+        FrameError, and the rest of the bytes are still read."""
+        header, data, failed = result.header, bytearray(), False
+        for i, info in enumerate(header.frames):
+            while len(data) < info.nbytes:
+                update = next(updates, None)
+                if update is None or update.WhichOneof("part") != "data":
+                    raise ValueError(f"round {header.round}: frame data ended early, before the "
+                                     f"{info.nbytes} bytes of the frame from worker {info.sender}")
+                data += update.data
+            frame_bytes = bytes(data[: info.nbytes])
+            del data[: info.nbytes]
+            if i == len(header.frames) - 1 and data:
+                raise ValueError(f"round {header.round}: {len(data)} frame bytes more than the header says")
+            result.nbytes += len(frame_bytes)  # set before the frame is handed over
+            if i == len(header.frames) - 1:
+                result.complete_at = time.monotonic()
+            if not failed:
+                try:
+                    result.frames.put(decode_frame(frame_bytes, self.layout))
+                except ValueError as exc:  # FrameError: the codec names what is wrong
+                    failed = True
+                    result.frames.put(FrameError(f"frame from worker {info.sender}: {exc}"))
+        if not header.frames:
+            result.complete_at = time.monotonic()
 
     def next_result(self, timeout: float | None = None) -> RoundResult | Disconnected | None:
         try:
@@ -137,6 +190,37 @@ class RoundsFollower:
     def stop(self) -> None:
         self._call.cancel()
         self._thread.join(timeout=5.0)
+
+
+class DigestCheck:
+    """Compares ``param_digest(theta)`` with the coordinator's digest of a round on a
+    background thread, so the hash runs beside the next inner loop instead of before it.
+    ``theta`` must not change until ``outcome()`` or ``release()`` has returned."""
+
+    def __init__(self, header: pb.RoundHeader, theta: list[Tensor], expected: Future[str]) -> None:
+        self.header = header
+        self.expected = expected
+        self.mine: str | None = None
+        self._thread = threading.Thread(target=self._hash, args=(theta,),
+                                        name=f"digest-check-{header.round}", daemon=True)
+        self._thread.start()
+
+    def _hash(self, theta: list[Tensor]) -> None:
+        self.mine = param_digest(theta)
+
+    def outcome(self) -> bool:
+        """True when the digests match, False on a mismatch; raises Disconnected when the
+        Rounds stream ended before the coordinator's digest came."""
+        self._thread.join()
+        return self.mine == self.expected.result()
+
+    def release(self) -> bool:
+        """Wait only for the hash (θ is free again): True if the coordinator's digest is
+        already here and matches, False if it differs or is not known."""
+        self._thread.join()
+        if not self.expected.done() or self.expected.exception() is not None:
+            return False
+        return self.mine == self.expected.result()
 
 
 class WorkerClient:
@@ -154,8 +238,10 @@ class WorkerClient:
         self.round = -1  # the round whose start parameters ``theta`` holds
         self.task: pb.WorkerTask | None = None
         self.frame: bytes | None = None  # this worker's frame for ``self.round``, once computed
-        self.push_info: tuple[float, float, list[int]] = (0.0, 0.0, [])
+        self.push_info = PushInfo()
         self.pushed_round = -1
+        self.check: DigestCheck | None = None  # of θ, while it runs beside the inner loop
+        self.apply_s = 0.0  # how long applying the last round result took (reported in Push)
         # partition -> its latest pseudo-gradient (CPU fp32): s + 1 model-sized buffers
         # under gradient coding, the coded message is combined from them each round
         self.latest: dict[int, list[Tensor]] = {}
@@ -237,15 +323,31 @@ class WorkerClient:
                 f"{self.layout.digest.hex()}; run the same geoloco version on both sides"
             )
         self.theta = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.params]
-        self.compressor = self._make_compressor()
+        self.compressor = self._make_compressor(self.layout)
         self.straggler = _make_straggler(reply.straggler_profile, reply.worker_id, self.cfg.seed)
+        if self.compressor is not None:
+            self._warm_codec()
 
-    def _make_compressor(self) -> Compressor | None:
+    def _make_compressor(self, layout: Layout) -> Compressor | None:
         comp = self.cfg.compression
         if comp.method != "sparseloco":
             return None
-        return Compressor(self.layout, density=comp.density, beta=comp.ef_beta, tile=comp.tile,
+        return Compressor(layout, density=comp.density, beta=comp.ef_beta, tile=comp.tile,
                           index_coding=comp.index_coding, zstd=comp.zstd)
+
+    def _warm_codec(self) -> None:
+        """Compress, decode and apply a small stand-in model once, so the codec's compiled
+        kernels are ready (numba compiles or loads them on first use, up to seconds) before
+        the first rounds rather than inside them."""
+        start = time.monotonic()
+        layout = Layout.from_named_tensors([("w", torch.zeros(WARMUP_SIDE, WARMUP_SIDE)),
+                                            ("b", torch.zeros(WARMUP_SIDE))])
+        gen = torch.Generator().manual_seed(0)
+        deltas = [torch.randn(s.shape, generator=gen) for s in layout.specs]
+        frame = decode_frame(self._make_compressor(layout).compress(deltas, round=0, sender=0), layout)
+        params = [torch.zeros(s.shape) for s in layout.specs]
+        apply_round(params, [frame, frame], [0.5, 0.5], "sum", -1.0)
+        log.info("codec kernels ready in %.2fs", time.monotonic() - start)
 
     def fetch_state(self) -> None:
         """Replace θ with the coordinator's parameters and take the task of the open round."""
@@ -261,6 +363,7 @@ class WorkerClient:
         self._load_state(first, bytes(data))
 
     def _load_state(self, first: pb.StateChunk, data: bytes) -> None:
+        self._release_check()
         tensors = _dense_tensors(decode_frame(data, self.layout))
         for t, v in zip(self.theta, tensors, strict=True):
             t.copy_(v.reshape(t.shape))
@@ -268,7 +371,7 @@ class WorkerClient:
         if digest != first.digest:
             raise RuntimeError(f"state for round {first.round} has digest {digest}, coordinator says {first.digest}")
         self.round, self.task = first.round, first.task
-        self.frame, self.pushed_round = None, -1
+        self.frame, self.pushed_round, self.apply_s = None, -1, 0.0
         self.stats["bytes_received"] += len(data)
         log.info("fetched state of round %d (%d bytes, digest %s)", first.round, len(data), digest[:16])
 
@@ -276,10 +379,12 @@ class WorkerClient:
         if self.follower is not None:
             self.follower.stop()
         request = pb.RoundsRequest(worker_id=self.worker_id, session=self.session, from_round=self.round)
-        self.follower = RoundsFollower(self.stub, request)
+        self.follower = RoundsFollower(self.stub, request, self.layout)
 
     def connect(self) -> None:
         reply = self.join()
+        if not self._release_check():
+            self.task = None  # θ was never confirmed: fetch the state
         if reply.current_round != self.round or self.task is None:
             self.fetch_state()
         self._follow()
@@ -329,7 +434,8 @@ class WorkerClient:
         if ready is not None:
             return ready
         if self.frame is None and self._has_work():
-            self._compute()
+            if not self._compute():
+                return None  # θ failed its digest check and was fetched again
             ready = self._poll(0.0)
             if ready is not None:
                 return ready
@@ -349,23 +455,31 @@ class WorkerClient:
     def _has_work(self) -> bool:
         return self.task is not None and bool(self.task.train_partitions or self.task.send_partitions)
 
-    def _compute(self) -> None:
+    def _compute(self) -> bool:
+        """Train, confirm θ's digest (checked meanwhile on a thread), then compress. False
+        when θ was not the coordinator's: the state was fetched again and nothing is sent."""
         task, start, losses = self.task, time.monotonic(), []
         trained = self._partitions_to_train(task)
         for p in trained:
             self.latest[p], loss = self.trainer.train_partition(self.theta, p, self.round)
             losses.append(loss)
         compute_s = time.monotonic() - start
+        if not self._confirm():
+            return False
         message = self._combine(task)
         delay = self.straggler.extra_delay(self.round, compute_s) if self.straggler else 0.0
         if delay > 0:
             log.info("round %d: straggler emulation sleeps %.2fs", self.round, delay)
             time.sleep(delay)
+        encode_start = time.monotonic()
         self.frame = self._encode(message)
+        encode_s = time.monotonic() - encode_start
         mean_loss = sum(losses) / len(losses) if losses else float("nan")
-        self.push_info = (compute_s, mean_loss, trained)
-        log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes",
-                 self.round, trained, compute_s, mean_loss, len(self.frame))
+        self.push_info = PushInfo(compute_s, mean_loss, trained, encode_s, self.apply_s)
+        log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes "
+                 "(encoded in %.2fs)", self.round, trained, compute_s, mean_loss, len(self.frame),
+                 encode_s)
+        return True
 
     def _partitions_to_train(self, task: pb.WorkerTask) -> list[int]:
         """The task's partitions, plus any partition it sends that this process never
@@ -399,10 +513,11 @@ class WorkerClient:
                             dtype=comp.dense_dtype, zstd=comp.zstd)
 
     def _push(self) -> None:
-        compute_s, loss, partitions = self.push_info
+        info = self.push_info
         header = pb.PushHeader(worker_id=self.worker_id, session=self.session, round=self.round,
-                               total_bytes=len(self.frame), compute_seconds=compute_s,
-                               train_loss=loss, partitions=partitions)
+                               total_bytes=len(self.frame), compute_seconds=info.compute_s,
+                               train_loss=info.loss, partitions=info.partitions,
+                               encode_seconds=info.encode_s, apply_seconds=info.apply_s)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in wire.chunks(self.frame)]
         try:
             reply = self.stub.Push(iter(chunks))
@@ -416,35 +531,64 @@ class WorkerClient:
             log.warning("round %d: coordinator rejected the frame: %s", self.round, reply.reason)
 
     def _apply(self, result: RoundResult) -> bool:
-        """Apply a round result to θ; True when the run is finished."""
+        """Apply a round result to θ, each frame as it arrives, and start checking the
+        digest; True when the run is finished."""
         header = result.header
+        if not self._confirm():
+            return False  # θ was fetched again: it already holds this result
         if header.round > self.round:
             log.warning("round %d result arrived while at round %d; fetching state", header.round, self.round)
             return self._resync(header)
-        self.stats["bytes_received"] += sum(len(f) for f in result.frames)
+        self.task = None  # θ is between rounds until every frame is in
+        start = time.monotonic()
         if not self._apply_frames(result):
             return self._resync(header)
+        self.apply_s = time.monotonic() - max(start, result.complete_at or start)
+        self.stats["bytes_received"] += result.nbytes
         self.stats["rounds_applied"] += 1
         self._log_round(header)
         self.round, self.task = header.round + 1, header.next_task
         self.frame = None
+        self.check = DigestCheck(header, self.theta, result.digest)
+        if header.finished:
+            self._confirm()
         return header.finished
 
     def _apply_frames(self, result: RoundResult) -> bool:
+        """θ += the round's update, frame by frame as they are decoded; False when a frame
+        does not decode (θ is then partly updated: the caller resyncs)."""
         header = result.header
         try:
-            frames = [decode_frame(data, self.layout) for data in result.frames]
-        except ValueError as exc:
+            apply_round(self.theta, result.decoded_frames(), [f.weight for f in header.frames],
+                        header.aggregation or "sum", header.alpha)
+        except FrameError as exc:
             log.error("round %d: bad frame in the round result (%s)", header.round, exc)
             return False
-        weights = [f.weight for f in header.frames]
-        if frames:
-            apply_frames(self.theta, frames, weights, mode=header.aggregation or "sum", alpha=header.alpha)
-        digest = param_digest(self.theta)
-        if digest != header.digest:
-            log.warning("round %d: digest mismatch (mine %s, coordinator %s)", header.round, digest[:16], header.digest[:16])
-            return False
         return True
+
+    def _confirm(self) -> bool:
+        """Wait for the digest check of θ (if one runs). On a mismatch fetch the state again
+        and return False; a Rounds stream that ended before the digest raises Disconnected,
+        and the reconnect fetches the state."""
+        check, self.check = self.check, None
+        if check is None:
+            return True
+        try:
+            ok = check.outcome()
+        except Disconnected:
+            self.task = None  # θ is unconfirmed: a reconnect must fetch the state
+            raise
+        if not ok:
+            log.warning("round %d: digest mismatch (mine %s, coordinator %s)", check.header.round,
+                        check.mine[:16], check.expected.result()[:16])
+            self._resync(check.header)
+        return ok
+
+    def _release_check(self) -> bool:
+        """Before θ is replaced: stop checking it; True when it was confirmed (or nothing
+        was pending)."""
+        check, self.check = self.check, None
+        return check is None or check.release()
 
     def _resync(self, header: pb.RoundHeader) -> bool:
         self.stats["resyncs"] += 1
@@ -465,8 +609,8 @@ class WorkerClient:
         self.round = header.round + 1
 
     def _log_round(self, header: pb.RoundHeader) -> None:
-        log.info("round %d applied: %d frames from %s, val loss %.4f, digest %s ok",
-                 header.round, len(header.frames), list(header.arrived), header.val_loss, header.digest[:16])
+        log.info("round %d applied: %d frames from %s in %.2fs", header.round, len(header.frames),
+                 list(header.arrived), self.apply_s)
 
     def _finish(self) -> None:
         digest = param_digest(self.theta)
@@ -495,6 +639,17 @@ class WorkerClient:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(report, indent=2))
         tmp.replace(path)
+
+
+@dataclass
+class PushInfo:
+    """What a push reports beside the frame (PushHeader)."""
+
+    compute_s: float = 0.0
+    loss: float = float("nan")
+    partitions: list[int] = field(default_factory=list)
+    encode_s: float = 0.0
+    apply_s: float = 0.0  # applying the previous round result, before this round's compute
 
 
 def _rpc_failure(call: str, exc: grpc.RpcError) -> Exception:

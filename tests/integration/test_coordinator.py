@@ -16,11 +16,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from compression import Compressor, Layout, apply_frames, decode_frame, encode_dense
+from compression import Compressor, Layout, decode_frame, encode_dense
 from coordinator.server import Coordinator
-from geoloco import wire
+from geoloco import state, wire
 from geoloco.config import load_config
-from geoloco.state import param_digest
 from protos import geoloco_pb2 as pb
 from protos import geoloco_pb2_grpc
 
@@ -72,7 +71,7 @@ class RawWorker:
         data = b"".join(c.data for c in chunks)
         assert len(data) == chunks[0].total_bytes
         params = [t.clone() for t in decode_frame(data, layout).to_dense("cpu")]
-        assert param_digest(params) == chunks[0].digest
+        assert state.param_digest(params) == chunks[0].digest
         self.task = chunks[0].task
         return chunks[0].round, chunks[0].digest, params
 
@@ -81,16 +80,20 @@ class RawWorker:
             pb.RoundsRequest(worker_id=self.id, session=self.session, from_round=from_round),
             timeout=RPC_TIMEOUT_S)
 
-    def next_round(self) -> tuple[pb.RoundHeader, bytes]:
-        """The next RoundHeader and its frame bytes (keepalives skipped)."""
+    def next_round(self) -> tuple[pb.RoundHeader, bytes, str]:
+        """The next RoundHeader, its frame bytes and the digest that ends it (keepalives
+        skipped); the digest must come after all the frame bytes."""
         header, data = None, b""
         for update in self.rounds_call:
             if update.HasField("header"):
+                assert header is None, "a second header before the digest"
                 header = update.header
             elif update.HasField("data"):
                 data += update.data
-            if header is not None and len(data) == sum(f.nbytes for f in header.frames):
-                return header, data
+            elif update.HasField("digest"):
+                assert header is not None and update.digest.round == header.round
+                assert len(data) == sum(f.nbytes for f in header.frames), "digest before the data"
+                return header, data, update.digest.digest
         raise AssertionError("Rounds stream ended before a round result")
 
     def push(self, round: int, data: bytes, worker_id: int | None = None, session: str | None = None,
@@ -99,7 +102,8 @@ class RawWorker:
             worker_id=self.id if worker_id is None else worker_id,
             session=self.session if session is None else session, round=round,
             total_bytes=len(data) if total_bytes is None else total_bytes,
-            compute_seconds=0.5, train_loss=3.0, partitions=[self.id])
+            compute_seconds=0.5, train_loss=3.0, partitions=[self.id], encode_seconds=0.25,
+            apply_seconds=0.125)
         body = data if send is None else send
         msgs = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in wire.chunks(body)]
         return self.stub.Push(iter(msgs), timeout=RPC_TIMEOUT_S)
@@ -137,9 +141,20 @@ def apply_round(params: list[torch.Tensor], layout: Layout, header: pb.RoundHead
     for info in header.frames:
         frames.append(decode_frame(data[offset:offset + info.nbytes], layout))
         offset += info.nbytes
-    apply_frames(params, frames, [f.weight for f in header.frames], mode=header.aggregation,
-                 alpha=header.alpha)
-    return param_digest(params)
+    state.apply_round(params, frames, [f.weight for f in header.frames], header.aggregation,
+                      header.alpha)
+    return state.param_digest(params)
+
+
+def first_metrics_line(run_dir: Path) -> dict:
+    """Round 0's metrics line: written after the broadcast (and the validation loss), so
+    it may lag the round result a little."""
+    path = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + RPC_TIMEOUT_S
+    while not (path.exists() and path.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, "no metrics line after round 0"
+        time.sleep(0.05)
+    return json.loads(path.read_text().splitlines()[0])
 
 
 def joined(coordinator: Coordinator, make, n: int) -> list[RawWorker]:
@@ -204,20 +219,24 @@ def test_bad_pushes_are_rejected_and_the_round_completes(tmp_path, workers):
         assert a.push(0, good_a).accepted  # nothing above took a's slot in round 0
         rejected(a.push(0, good_a), "already pushed")
         assert b.push(0, good_b).accepted
-        ha, da = a.next_round()
-        hb, db = b.next_round()
+        ha, da, ga = a.next_round()
+        hb, db, gb = b.next_round()
         assert ha.round == 0 and list(ha.arrived) == [0, 1] and not ha.finished
-        assert ha.digest == hb.digest and da == db and ha.frames == hb.frames
+        assert ga == gb and da == db and ha.frames == hb.frames
         assert da == good_a + good_b
-        assert apply_round(params, layout, ha, da) == ha.digest == coordinator.digest()
+        assert apply_round(params, layout, ha, da) == ga == coordinator.digest()
         assert list(ha.next_task.train_partitions) == [a.id]
         assert list(hb.next_task.train_partitions) == [b.id]
 
         rejected(a.push(0, good_a), "frame for round 0 but round 1")
-        line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        line = first_metrics_line(tmp_path / "run")
         assert line["round"] == 0 and line["arrived"] == [0, 1]
         assert line["rejected_frames"] >= 8
         assert line["upload_bytes"] == {"0": len(good_a), "1": len(good_b)}
+        assert (line["compute_seconds_max"], line["encode_seconds"], line["encode_seconds_max"],
+                line["worker_apply_seconds_max"]) == (0.5, 0.25, 0.25, 0.125)  # as pushed
+        assert line["close_seconds"] >= 0 and line["coordinator_apply_seconds"] >= 0
+        assert line["val_loss"] is not None  # measured after the broadcast, still recorded
 
 
 def cut_mid_frame(w: RawWorker, data: bytes) -> None:
@@ -252,13 +271,13 @@ def test_deadline_closes_round_without_a_worker(tmp_path, workers, monkeypatch):
         frame = sparse_frame(cfg, coordinator.layout, a.id, 0)
         assert a.push(0, frame).accepted
         started = time.monotonic()
-        header, data = a.next_round()
+        header, data, digest = a.next_round()
         assert time.monotonic() - started < 10
         assert list(header.arrived) == [a.id] and [f.sender for f in header.frames] == [a.id]
         assert header.frames[0].weight == 1.0  # the mean over the one arrived frame
-        assert apply_round(params, coordinator.layout, header, data) == header.digest
-        assert b.next_round()[0].digest == header.digest
-        line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        assert apply_round(params, coordinator.layout, header, data) == digest
+        assert b.next_round()[2] == digest
+        line = first_metrics_line(tmp_path / "run")
         assert line["close_reason"] == "deadline"
 
 
@@ -278,13 +297,14 @@ def test_reconnected_rounds_stream_replays_missed_results(tmp_path, workers):
 
 def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, workers):
     run_dir = tmp_path / "run"
-    cfg = make_config(workers=1, rounds=3, **{"coordinator.checkpoint_every": 1})
+    cfg = make_config(workers=1, rounds=3, **{"coordinator.checkpoint_every": 1,
+                                              "coordinator.val_every": 2})
     with running(cfg, run_dir) as coordinator:
         (a,) = joined(coordinator, workers, 1)
         a.fetch_state(coordinator.layout)
         a.follow(0)
         assert a.push(0, sparse_frame(cfg, coordinator.layout, a.id, 0)).accepted
-        header, _ = a.next_round()
+        _, _, round0_digest = a.next_round()
         deadline = time.monotonic() + 30
         while not list((run_dir / "checkpoints").glob("round_00000001.pt")):
             assert time.monotonic() < deadline, "no checkpoint after round 0"
@@ -293,17 +313,17 @@ def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, worker
     a.close()
 
     with running(cfg, run_dir, resume=True) as resumed:
-        assert resumed.rs.round == 1 and resumed.digest() == header.digest
+        assert resumed.rs.round == 1 and resumed.digest() == round0_digest
         w = workers(resumed.port, cfg)
         reply = w.join(reclaim_worker_id=0, reclaim_session=session)
         assert reply.worker_id == 0 and reply.current_round == 1
         r, digest, params = w.fetch_state(resumed.layout)
-        assert (r, digest) == (1, header.digest)
+        assert (r, digest) == (1, round0_digest)
         w.follow(1)
         for r in (1, 2):
             assert w.push(r, sparse_frame(cfg, resumed.layout, 0, r)).accepted
-            h, data = w.next_round()
-            assert apply_round(params, resumed.layout, h, data) == h.digest
+            h, data, digest = w.next_round()
+            assert apply_round(params, resumed.layout, h, data) == digest
         assert h.finished and h.round == 2
         w.close()  # a worker hangs up once it has the last result; the run then ends
         assert resumed.wait(timeout=30)
@@ -313,7 +333,9 @@ def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, worker
         assert key in summary
     assert summary["rounds"] == 3 and summary["dense_fp32_bytes"] > 4 * resumed.layout.numel - 1
     assert summary["upload_bytes_per_worker_round"] < summary["dense_fp32_bytes"] / 10
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["val_loss"] is not None for m in lines] == [False, True, True]  # val_every 2, last
+    assert summary["final_val_loss"] == lines[-1]["val_loss"]
 
 
 def test_diloco_broadcasts_one_dense_nesterov_frame(tmp_path, workers):
@@ -332,10 +354,10 @@ def test_diloco_broadcasts_one_dense_nesterov_frame(tmp_path, workers):
         for w in (a, b):
             frame = encode_dense(layout, deltas[w.id], round=0, sender=w.id, dtype="fp32")
             assert w.push(0, frame).accepted
-        header, data = a.next_round()
+        header, data, digest = a.next_round()
         assert len(header.frames) == 1 and header.alpha == 1.0 and header.aggregation == "sum"
         before = [p.clone() for p in params]
-        assert apply_round(params, layout, header, data) == header.digest
+        assert apply_round(params, layout, header, data) == digest
         lr, mu = cfg.outer.lr, cfg.outer.momentum
         for j, (p0, p1) in enumerate(zip(before, params, strict=True)):
             mean = (deltas[0][j] + deltas[1][j]) / 2

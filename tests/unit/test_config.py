@@ -49,12 +49,21 @@ def test_json_round_trip(tmp_path: Path) -> None:
         ({"coordinator.listen": "localhost"}, "coordinator.listen: 'localhost' is not HOST:PORT"),
         ({"task.data": "/nonexistent/corpus"}, "task.data"),
         ({"compression.zstd": "maybe"}, "compression.zstd: 'maybe' is not a valid bool"),
+        ({"coordinator.val_every": -1}, "coordinator.val_every: -1 is outside the allowed range 0..1e+07"),
+        ({"coordinator.val_every": "often"}, "coordinator.val_every: 'often' is not a valid int | None"),
     ],
 )
 def test_errors_name_the_field(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(overrides=overrides)
     assert message in str(err.value)
+
+
+def test_val_every_defaults_to_none_and_takes_flags() -> None:
+    assert load_config().coordinator.val_every is None
+    assert load_config(overrides={"coordinator.val_every": "0"}).coordinator.val_every == 0
+    assert load_config(overrides={"coordinator.val_every": "none"}).coordinator.val_every is None
+    assert load_config(overrides={"coordinator.val_every": 3}).coordinator.val_every == 3
 
 
 def test_missing_and_malformed_files(tmp_path: Path) -> None:
