@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import Tensor
 
-from compression import Layout, encode_dense
+from compression import Layout, encode_dense, on_huge_pages
 from coordinator import checkpoint
 from coordinator.gradient_coding import GradientCode, make_code
 from coordinator.metrics import MetricsWriter, RoundMetrics, RunTotals, write_text_atomic
@@ -57,6 +57,9 @@ class Coordinator:
         self.model = self.task.make_model().to("cpu", torch.float32)
         named = list(self.model.named_parameters())
         self.layout = Layout.from_named_tensors(named)
+        # one buffer on huge pages: applying sparse rounds touches cache lines at random
+        for (_, p), data in zip(named, on_huge_pages([p.data for _, p in named]), strict=True):
+            p.data = data
         self.params: list[Tensor] = [p.data for _, p in named]
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         self.policy = CodePolicy(self.code)

@@ -21,7 +21,15 @@ import grpc
 import torch
 from torch import Tensor
 
-from compression import Compressor, Frame, FrameError, Layout, decode_frame, encode_dense
+from compression import (
+    Compressor,
+    Frame,
+    FrameError,
+    Layout,
+    decode_frame,
+    encode_dense,
+    on_huge_pages,
+)
 from geoloco import wire
 from geoloco.config import RunConfig, validate
 from geoloco.state import apply_round, param_digest
@@ -322,7 +330,8 @@ class WorkerClient:
                 f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
                 f"{self.layout.digest.hex()}; run the same geoloco version on both sides"
             )
-        self.theta = [p.detach().to("cpu", torch.float32).clone() for p in self.trainer.params]
+        # the replica on huge pages: applying sparse rounds touches cache lines at random
+        self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.trainer.params])
         self.compressor = self._make_compressor(self.layout)
         self.straggler = _make_straggler(reply.straggler_profile, reply.worker_id, self.cfg.seed)
         if self.compressor is not None:
