@@ -202,11 +202,14 @@ def _check_inner(inner: InnerConfig) -> None:
     _check_range("inner.grad_clip", inner.grad_clip, 0.0, 1e6)
 
 
+MAX_TILE = 256  # the largest tile a frame can carry (compression.frame.MAX_TILE)
+
+
 def _check_compression(comp: CompressionConfig) -> None:
     _check_choice("compression.method", comp.method, METHODS)
     _check_range("compression.density", comp.density, 1 / 4096, 1.0)
     _check_range("compression.ef_beta", comp.ef_beta, 0.0, 1.0)
-    _check_range("compression.tile", comp.tile, 4, 1024)
+    _check_range("compression.tile", comp.tile, 4, MAX_TILE)
     _check_choice("compression.index_coding", comp.index_coding, INDEX_CODINGS)
     _check_choice("compression.dense_dtype", comp.dense_dtype, DENSE_DTYPES)
 

@@ -51,6 +51,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
         ({"compression.zstd": "maybe"}, "compression.zstd: 'maybe' is not a valid bool"),
         ({"coordinator.val_every": -1}, "coordinator.val_every: -1 is outside the allowed range 0..1e+07"),
         ({"coordinator.val_every": "often"}, "coordinator.val_every: 'often' is not a valid int | None"),
+        ({"compression.tile": 512}, "compression.tile: 512 is outside the allowed range 4..256"),
     ],
 )
 def test_errors_name_the_field(overrides: dict, message: str) -> None:
@@ -94,3 +95,11 @@ def test_link_profiles(text: str, rate: float | None, delay: float, jitter: floa
 def test_bad_link_profiles(text: str) -> None:
     with pytest.raises(LinkProfileError):
         LinkProfile.parse(text)
+
+
+def test_tile_limit_is_the_frame_format_limit() -> None:
+    from compression.frame import MAX_TILE as FRAME_MAX_TILE
+    from geoloco.config import MAX_TILE
+
+    assert MAX_TILE == FRAME_MAX_TILE
+    load_config(overrides={"compression.tile": MAX_TILE})
