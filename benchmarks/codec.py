@@ -22,12 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
-import torch
+# as in geoloco's processes (geoloco/__init__.py): torch's OpenMP threads sleep after an
+# op instead of spinning on the cores the codec's threads need; set before torch loads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, on_huge_pages
+import torch  # noqa: E402
+
+from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, on_huge_pages  # noqa: E402
 
 BETA = 0.95
 
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     results = [run_workload(name, lay, repeats) for name, lay in work]
     bound = entropy_bound()
 
-    print(f"torch threads: {torch.get_num_threads()}; k = 64 of 4096, beta = {BETA}, defaults "
+    print(f"torch threads: {torch.get_num_threads()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
+          f"k = 64 of 4096, beta = {BETA}, defaults "
           "(table per chunk, Rice indices, no zstd); median of", repeats, "repeats")
     hdr = (f"{'workload':<18}{'params':>11}{'bytes':>10}{'bits/par':>9}{'enc GB/s':>9}{'dec+app':>9}"
            f"{'EF GB/s':>9}{'enc/EF':>8}{'dec/EF':>8}{'rel err':>9}")
