@@ -129,10 +129,11 @@ VALIDATE, MATERIALIZE, APPLY = 0, 1, 2  # what decode_segments does with each ch
 
 @njit(cache=True, nogil=True)
 def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off,
-                    seg_start, s0, s1, out_flat, out_val, addrs, w, a, result):
+                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, result):
     """Decode segments [s0, s1) of a sparse frame, and per ``mode``:
 
-    - VALIDATE: only check everything;
+    - VALIDATE: check everything, and keep each kept element's in-chunk position in
+      ``positions`` (uint16), so that the other modes need not decode the indices again;
     - MATERIALIZE: write flat indices (per tensor; out_flat is int32 or int64) and values;
     - APPLY: ``p_t[i] = p_t[i] + a * (w * v)`` in fp32 for every kept (i, v) of tensor t,
       whose fp32 data starts at address addrs[t] (the frame must have been validated).
@@ -171,6 +172,27 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 continue
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
             k = _kept(n, k_full, size)
+            if mode != VALIDATE:  # validated: the positions are known
+                for j in range(k):
+                    scratch_pos[j] = positions[o + j]
+                ti = tab_off[t] + (2 * c if per_chunk else 0)
+                _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0)
+                _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
+                if mode == MATERIALIZE:
+                    for j in range(k):
+                        out_flat[o + j] = scratch_pos[j]
+                        out_val[o + j] = scratch_val[j]
+                else:  # APPLY
+                    base = addrs[t]
+                    for j in range(k):
+                        prefetch_f32_at(base, scratch_pos[j])
+                    for j in range(k):
+                        add_f32_at(base, scratch_pos[j], a * (w * scratch_val[j]))
+                o += k
+                cpos += (k + 3) // 4
+                c += 1
+                done += 1
+                continue
             if fixed:
                 status, pos = _fixed_chunk(buf, pos, end, n, k, scratch_pos, 0)
             else:
@@ -187,23 +209,13 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
             if status != OK:
                 result[0], result[1], result[2], result[3] = status, t, c, s
                 return
-            if mode != VALIDATE:
-                _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
-            if mode == MATERIALIZE:
-                for j in range(k):
-                    out_flat[o + j] = scratch_pos[j]
-                    out_val[o + j] = scratch_val[j]
-            elif mode == APPLY:
-                base = addrs[t]
-                for j in range(k):
-                    prefetch_f32_at(base, scratch_pos[j])
-                for j in range(k):
-                    add_f32_at(base, scratch_pos[j], a * (w * scratch_val[j]))
+            for j in range(k):
+                positions[o + j] = scratch_pos[j]
             o += k
             cpos += (k + 3) // 4
             c += 1
             done += 1
-        if pos != end:
+        if mode == VALIDATE and pos != end:
             result[0], result[1], result[2], result[3] = ERR_SEGMENT_END, t, c, s
             return
     result[0] = OK

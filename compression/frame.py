@@ -203,6 +203,7 @@ class SparseBody:
     seg_start: np.ndarray
     kept_off: np.ndarray
     index_dtype: type
+    positions: np.ndarray  # in-chunk position of every kept element (uint16), found by VALIDATE
 
     def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0) -> tuple:
         """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
@@ -219,8 +220,8 @@ class SparseBody:
             def run() -> None:
                 decode_kernel.decode_segments(mode, self.buf, self.index_len, self.offsets, self.codes, self.levels,
                                               self.per_chunk, self.fixed, self.k_full, self.tile, self.grid,
-                                              self.tab_off, self.seg_start, s0, s1, out_flat, out_val, addrs,
-                                              w32, a32, results[i])
+                                              self.tab_off, self.seg_start, s0, s1, self.positions, out_flat,
+                                              out_val, addrs, w32, a32, results[i])
             return run
 
         run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
@@ -437,7 +438,7 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> 
     index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
     sparse = SparseBody(buf, len(index_raw), _offsets(offsets_raw, len(index_raw)),
                         np.frombuffer(codes_raw, np.uint8), _levels(table_raw), per_chunk, fixed, k_full, tile, grid,
-                        tab_off, seg_start, kept_off, index_dtype)
+                        tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16))
     problem = sparse.run(decode_kernel.VALIDATE)
     if problem is not None:
         status, t, c, s = problem
