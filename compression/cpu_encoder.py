@@ -3,7 +3,8 @@
 Work is cut into pieces of about ``PIECE_ELEMS`` elements that the threads pull one at a
 time (dynamic scheduling survives a busy machine better than a static split). Three
 phases: check every delta for NaN/Inf (nothing has changed yet when one is found), fused
-error feedback + selection per piece, then per-tensor finishing (index coding).
+error feedback, selection, quantization and index bits per piece, then per tensor the
+table for ``table="tensor"`` and the index section joined from the chunks' slots.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,30 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(poll)
+
+
+def run_worker_threads(coordinator: Any, workers: list[Any], timeout: float,
+                       started: Callable[[int], None] | None = None) -> dict[int, int]:
+    """Run in-process workers (objects with ``run()`` and ``close()``, such as subclasses of
+    WorkerClient that inject a fault) on threads until the coordinator's run ends; then
+    close them and stop the coordinator. started(i), if given, runs after worker i's
+    thread starts. Returns each worker's exit code by position."""
+    codes: dict[int, int] = {}
+    threads = []
+    try:
+        for i, w in enumerate(workers):
+            threads.append(threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True))
+            threads[-1].start()
+            if started is not None:
+                started(i)
+        for t in threads:
+            t.join(timeout=timeout)
+        assert coordinator.wait(timeout=60)
+    finally:
+        for w in workers:
+            w.close()
+        coordinator.stop(grace=0.5)
+    return codes
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,6 @@ import re
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from run_processes import (
     Processes,
     final_coordinator_digest,
     metrics,
+    run_worker_threads,
     set_flags,
     wait_until,
     worker_reports,
@@ -165,21 +165,12 @@ def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> Non
     late = LatePusher(options[1])
     late.coordinator = coordinator
     workers = [WorkerClient(options[0]), late]
-    codes: dict[int, int] = {}
-    threads = []
-    for i, w in enumerate(workers):
-        threads.append(threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True))
-        threads[-1].start()
-        if i == 0:  # the punctual worker joins first and gets id 0
+
+    def first_joins_first(i: int) -> None:  # the punctual worker joins first and gets id 0
+        if i == 0:
             wait_until(lambda: coordinator.registry.live_count == 1, 60, "worker 0 to join")
-    try:
-        for t in threads:
-            t.join(timeout=120)
-        assert coordinator.wait(timeout=60)
-    finally:
-        for w in workers:
-            w.close()
-        coordinator.stop(grace=0.5)
+
+    codes = run_worker_threads(coordinator, workers, 120, first_joins_first)
     assert codes == {0: 0, 1: 0}
     lines = metrics(tmp_path / "run")
     assert all(m["arrived"] == [0] and m["chosen"] == [0] for m in lines), lines

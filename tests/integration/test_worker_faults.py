@@ -6,7 +6,6 @@ that drifts (digest mismatch: it fetches the state again and finishes in step)."
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from run_processes import (
     final_coordinator_digest,
     free_port,
     metrics,
+    run_worker_threads,
     set_flags,
     wait_until,
     worker_reports,
@@ -153,19 +153,7 @@ def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Pat
     options = [WorkerOptions(address=f"127.0.0.1:{port}", token=TOKEN, device="cpu",
                              connect_timeout_s=30, report_dir=tmp_path / "reports") for _ in range(2)]
     workers = [DriftingWorker(options[0]), WorkerClient(options[1])]
-    codes: dict[int, int] = {}
-    threads = [threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True)
-               for i, w in enumerate(workers)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-        assert coordinator.wait(timeout=60)
-    finally:
-        for w in workers:
-            w.close()
-        coordinator.stop(grace=0.5)
+    codes = run_worker_threads(coordinator, workers, 180)
     assert codes == {0: 0, 1: 0}
     digest = param_digest(coordinator.params)
     reports = worker_reports(tmp_path / "reports")
