@@ -40,6 +40,11 @@ class Compressor:
     table: "chunk" (a (hi, lo) bfloat16 pair per chunk) or "tensor" (one per tensor).
     zstd: compress each section with zstd when that makes it smaller.
     device: where the error-feedback buffers live (default: the first deltas' device).
+
+    On the CPU (numba kernel) the error feedback is double-buffered: each call reads the
+    current buffers and writes the next state into spare ones, swapped in on success, so
+    a NaN or Inf leaves the state as it was without a separate check pass. That holds two
+    fp32 copies of the parameters' size; ``error`` is always the current one.
     """
 
     def __init__(self, layout: Layout, density: float = 64 / 4096, beta: float = 0.95, tile: int = 64,
@@ -67,6 +72,7 @@ class Compressor:
         self.use_kernel = kernels.HAVE_NUMBA if use_kernel is None else use_kernel
         self._grids = [ChunkGrid.of(s.shape, tile) for s in layout.specs]
         self.error: list[torch.Tensor] | None = None
+        self._spare: list[torch.Tensor] | None = None  # the CPU kernel writes the next state here
 
     # -- state --------------------------------------------------------------------------
 
@@ -83,6 +89,7 @@ class Compressor:
         if d.get("digest") not in (None, self.layout.digest):
             raise ValueError("error-feedback state was saved for another layout")
         ef = d["error_feedback"]
+        self._spare = None
         if ef is None:
             self.error = None
             return
@@ -107,23 +114,30 @@ class Compressor:
         flat = [deltas[j].detach().reshape(-1).to(device=self.error[j].device, dtype=torch.float32)
                 for j in live]
         kernel = self.use_kernel and all(self.error[j].device.type == "cpu" for j in live)
-        if kernel:
-            arrays = [f.contiguous().numpy() for f in flat]
-            bad = cpu_encoder.first_nonfinite(arrays, torch.get_num_threads())
-        else:
-            bad = next((i for i, f in enumerate(flat) if not bool(torch.isfinite(f).all())), None)
-        if bad is not None:
-            raise ValueError(f"pseudo-gradient {self.layout.specs[live[bad]].name!r} contains NaN or Inf")
         per_chunk = self.table == "chunk"
         fixed = self.index_coding == "fixed"
         if kernel:
+            # the new error feedback goes to spare buffers, swapped in only on success: a
+            # NaN or Inf anywhere leaves the state as it was, without a separate check pass
+            arrays = [f.contiguous().numpy() for f in flat]
+            if self._spare is None:
+                self._spare = [torch.empty_like(e) for e in self.error]
             tables, codes, index, chunk_bytes, over = cpu_encoder.encode(
-                [self.error[j] for j in live], arrays, [self._grids[j] for j in live], self.beta, self.k,
-                per_chunk, fixed, torch.get_num_threads())
+                [self.error[j] for j in live], arrays, [self._spare[j] for j in live],
+                [self._grids[j] for j in live], self.beta, self.k, per_chunk, fixed, torch.get_num_threads())
+            if over is not None:
+                over = cpu_encoder.first_nonfinite(arrays, torch.get_num_threads()), over
         else:
-            tables, codes, index, chunk_bytes, over = self._encode_torch(live, flat, per_chunk, fixed)
+            bad = next((i for i, f in enumerate(flat) if not bool(torch.isfinite(f).all())), None)
+            tables, codes, index, chunk_bytes, over = (None, None, None, None, (bad, None)) if bad is not None \
+                else self._encode_torch(live, flat, per_chunk, fixed)
         if over is not None:
-            raise ValueError(f"error feedback for {self.layout.specs[live[over]].name!r} overflowed to Inf")
+            bad, overflowed = over
+            if bad is not None:
+                raise ValueError(f"pseudo-gradient {self.layout.specs[live[bad]].name!r} contains NaN or Inf")
+            raise ValueError(f"error feedback for {self.layout.specs[live[overflowed]].name!r} overflowed to Inf")
+        if kernel:
+            self.error, self._spare = self._spare, self.error
         offsets = index_offsets_section(np.concatenate(chunk_bytes) if chunk_bytes else np.zeros(0, np.int64))
         sections = [b"".join(tables), b"".join(codes), b"".join(index), offsets]
         return write_frame(KIND_SPARSE, TABLE_MODES[self.table], INDEX_CODINGS[self.index_coding],
@@ -135,7 +149,7 @@ class Compressor:
             e = self.error[j]
             e.mul_(torch.tensor(self.beta, dtype=torch.float32, device=e.device)).add_(d)
             if not bool(torch.isfinite(e).all()):
-                return tables, codes, index, chunk_bytes, i
+                return tables, codes, index, chunk_bytes, (None, i)
             p = sparse_torch.encode_tensor(e, self._grids[j], self.k, per_chunk, fixed)
             tables.append(p.table)
             codes.append(p.codes)

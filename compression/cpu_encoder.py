@@ -1,10 +1,11 @@
 """Runs the fused numba encoder over all tensors of a layout on CPU threads.
 
 Work is cut into pieces of about ``PIECE_ELEMS`` elements that the threads pull one at a
-time (dynamic scheduling survives a busy machine better than a static split). Three
-phases: check every delta for NaN/Inf (nothing has changed yet when one is found), fused
-error feedback, selection, quantization and index bits per piece, then per tensor the
-table for ``table="tensor"`` and the index section joined from the chunks' slots.
+time (dynamic scheduling survives a busy machine better than a static split). Two
+phases: fused error feedback (written to the spare buffers), selection, quantization and
+index bits per piece, then per tensor the table for ``table="tensor"`` and the index
+section joined from the chunks' slots. A chunk holding NaN or Inf is flagged, not coded;
+the caller then keeps its current buffers, so nothing has changed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _scratch(tile: int) -> tuple:
 
 
 def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
-    """Index of the first delta holding NaN or Inf, or None."""
+    """Index of the first delta holding NaN or Inf, or None (only after a failed encode:
+    to tell a bad delta from error feedback that overflowed)."""
     bad = [0] * len(deltas)
 
     def check(j: int, a: int, b: int):
@@ -45,19 +47,21 @@ def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
     return next((j for j, b in enumerate(bad) if b), None)
 
 
-def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[ChunkGrid], beta: float,
-           k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, list, int | None]:
-    """(tables, codes, indices, index bytes per chunk, index of a tensor whose error
-    feedback overflowed or None), one entry per tensor."""
+def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], spare: list[torch.Tensor], grids: list[ChunkGrid],
+           beta: float, k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, list, int | None]:
+    """(tables, codes, indices, index bytes per chunk, index of the first tensor holding
+    NaN or Inf or None), one entry per tensor. The new error feedback goes to ``spare``;
+    ``errors`` are only read."""
     beta32 = np.float32(beta)
     plans = [encode_kernel.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
              for g in grids]
-    es = [e.numpy() for e in errors]
+    prevs = [e.numpy() for e in errors]
+    es = [e.numpy() for e in spare]
     tasks = []
     for j, (g, plan) in enumerate(zip(grids, plans, strict=False)):
         n_units = plan[0]
         for u0, u1 in pieces(n_units, max(1, n_units * PIECE_ELEMS // max(g.numel, 1))):
-            tasks.append(_unit_task(es[j], deltas[j], beta32, g, k_full, per_chunk, fixed, u0, u1, plan))
+            tasks.append(_unit_task(prevs[j], deltas[j], beta32, es[j], g, k_full, per_chunk, fixed, u0, u1, plan))
     run_tasks(tasks, n_threads)
     out = [None] * len(grids)
 
@@ -70,15 +74,15 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], grids: list[Chu
 
     run_tasks([finish(j) for j in range(len(grids))], n_threads)
     bad = next((j for j, (_, nonfinite) in enumerate(out) if nonfinite), None)
-    tables = [p[8].tobytes() for p in plans]
-    codes = [p[7].tobytes() for p in plans]
+    tables = [p[7].tobytes() for p in plans]
+    codes = [p[6].tobytes() for p in plans]
     index = [o[0].tobytes() for o in out]
-    chunk_bytes = [(p[9] + 7) // 8 for p in plans]
+    chunk_bytes = [(p[8] + 7) // 8 for p in plans]
     return tables, codes, index, chunk_bytes, bad
 
 
-def _unit_task(e, d, beta32, g, k_full, per_chunk, fixed, u0, u1, plan):
+def _unit_task(prev, d, beta32, e, g, k_full, per_chunk, fixed, u0, u1, plan):
     def run() -> None:
-        encode_kernel.encode_units(e, d, beta32, g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full,
+        encode_kernel.encode_units(prev, d, beta32, e, g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full,
                              per_chunk, fixed, u0, u1, *plan[1:], *_scratch(g.tile))
     return run

@@ -1,9 +1,10 @@
 """Fused CPU encoder (numba): error feedback, exact per-chunk top-k, 2-bit codes, in one
 pass over memory.
 
-Per band of tile rows: one streaming pass computes ``e = beta*e + d`` in place and, for
-every segment of ``SEG`` consecutive elements of a tile row, the largest ``|e|`` bit
-pattern. The k-th largest segment maximum is a lower bound of the chunk's k-th largest
+Per band of tile rows: one streaming pass computes ``e = beta*prev + d`` into the spare
+error buffer (``prev``, the current one, is only read: a NaN or Inf found anywhere leaves
+the state as it was, with no separate check pass) and, for every segment of ``SEG``
+consecutive elements of a tile row, the largest ``|e|`` bit pattern. The k-th largest segment maximum is a lower bound of the chunk's k-th largest
 ``|e|`` (k segments hold an element at least that large), so exact top-k only has to look
 inside the few segments whose maximum reaches it, while the band is still in cache. Lower
 position wins ties. The output is byte for byte the one of ``sparse_torch.py``; tests
@@ -14,9 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intrinsics import LANES, f32_bits, ge_mask16, popcount
+from .intrinsics import LANES, bits_f32, f32_bits, ge_mask16, popcount, put8_plus, store_u64
 from .kernels import (
-    _bf16_rne,
     _fixed_width,
     _flat,
     _kept,
@@ -24,7 +24,6 @@ from .kernels import (
     _levels,
     _quantize_chunk,
     _rice_param,
-    _write_index,
     njit,
 )
 
@@ -37,10 +36,10 @@ EF_BLOCK = 8192     # elements per error-feedback block (32 KB: the L1 data cach
 GROUP_COLS = 4096   # a work unit spans up to this many columns of one band of tile rows
 
 @njit(cache=True, nogil=True)
-def _ef_span(e, d, beta):
-    """``e = beta*e + d`` in place over a contiguous span (vectorizes)."""
+def _ef_span(prev, d, beta, e):
+    """``e = beta*prev + d`` over a contiguous span (vectorizes)."""
     for i in range(e.shape[0]):
-        e[i] = e[i] * beta + d[i]
+        e[i] = prev[i] * beta + d[i]
 
 
 @njit(cache=True, nogil=True)
@@ -54,35 +53,39 @@ def _seg16_max(keys, out):
 
 
 @njit(cache=True, nogil=True)
-def _ef_rows(e, d, beta, row0, nrows, cols, c0, c1, tile, spr, segmax):
-    """``e = beta*e + d`` in place over rows [row0, row0+nrows), columns [c0, c1) (whole
-    tiles), and the segment maxima of |e|, row by row: segmax[r*w + tc*spr + s] for tile
-    row r, tile tc (from c0), segment s, with w = spr * (c1 - c0) // tile. Rows spanning
-    the whole width are one contiguous stream, taken in blocks of about L1 size; each
-    block's maxima are taken while it is still in L1."""
+def _ef_rows(prev, d, beta, e, row0, nrows, cols, c0, c1, tile, spr, segmax, rowmax):
+    """``e = beta*prev + d`` over rows [row0, row0+nrows), columns [c0, c1) (whole
+    tiles), and the segment maxima of |e|, each tile's together:
+    segmax[tc*tile*spr + r*spr + s] for tile tc (from c0), tile row r, segment s. Rows
+    spanning the whole width are one contiguous stream, taken in blocks of about L1 size;
+    each block's maxima are taken while it is still in L1 (a row's at once into rowmax,
+    then spread over the tiles)."""
     eb = e.view(np.int32)
     nt = (c1 - c0) // tile
-    w = spr * nt
+    per_tile = tile * spr
     width = c1 - c0
     block = max(1, EF_BLOCK // width) if width == cols else 1
     for r0 in range(0, nrows, block):
         r1 = min(nrows, r0 + block)
         a = (row0 + r0) * cols + c0
         if width == cols:
-            _ef_span(e[a:a + (r1 - r0) * cols], d[a:a + (r1 - r0) * cols], beta)
+            _ef_span(prev[a:a + (r1 - r0) * cols], d[a:a + (r1 - r0) * cols], beta, e[a:a + (r1 - r0) * cols])
         else:
-            _ef_span(e[a:a + width], d[a:a + width], beta)
+            _ef_span(prev[a:a + width], d[a:a + width], beta, e[a:a + width])
         for r in range(r0, r1):
             a = (row0 + r) * cols + c0
             if tile % SEG == 0:
-                _seg16_max(eb[a:a + width], segmax[r * w:(r + 1) * w])
+                _seg16_max(eb[a:a + width], rowmax[:nt * spr])
+                for tc in range(nt):
+                    for s in range(spr):
+                        segmax[tc * per_tile + r * spr + s] = rowmax[tc * spr + s]
                 continue
             for tc in range(nt):
                 for s in range(spr):
                     m = np.int32(0)
                     for i in range(a + tc * tile + s * SEG, a + tc * tile + min(tile, s * SEG + SEG)):
                         m = max(m, eb[i] & MAGNITUDE)
-                    segmax[r * w + tc * spr + s] = m
+                    segmax[tc * per_tile + r * spr + s] = m
 
 
 @njit(cache=True, nogil=True)
@@ -99,22 +102,28 @@ def _segmax_flat(x, n, tile, spr, segmax):
 
 
 @njit(cache=True, nogil=True)
-def _rank_value(keys, m, r, t, high_bit, low_bit):
-    """The r-th largest (0-based) of the non-negative int32 keys[:m], found bit by bit:
+def _count_ge(keys, o, m, c):
+    """How many of keys[o:o+m] are >= c (vector compares and popcounts, no branches per
+    key). Reads up to 15 entries past the end, which must exist; they are not counted."""
+    cnt = np.uint64(0)
+    full = m // SEG * SEG
+    for j in range(0, full, SEG):
+        cnt += popcount(ge_mask16(keys, o + j, c))
+    if full < m:
+        cnt += popcount(ge_mask16(keys, o + full, c) & ((np.uint64(1) << np.uint64(m - full)) - np.uint64(1)))
+    return np.int64(cnt)
+
+
+@njit(cache=True, nogil=True)
+def _rank_value(keys, o, m, r, t, high_bit, low_bit):
+    """The r-th largest (0-based) of the non-negative int32 keys[o:o+m], found bit by bit:
     the largest value with count(keys >= value) > r, given that it starts with the bits
     of t above high_bit. Bits below low_bit stay zero (a lower bound within a factor
     1 + 2**(low_bit - 23) for floats). Counting is branch-free (vector compares and
-    popcounts), unlike quickselect, whose comparisons mispredict half the time. keys must
-    have room for m rounded up to 16; the padding is overwritten."""
-    m16 = (m + SEG - 1) // SEG * SEG
-    for j in range(m, m16):
-        keys[j] = -1
+    popcounts), unlike quickselect, whose comparisons mispredict half the time."""
     for bit in range(high_bit, low_bit - 1, -1):
         c = t | np.int32(1 << bit)
-        cnt = 0
-        for j in range(0, m16, SEG):
-            cnt += popcount(ge_mask16(keys, j, c))
-        if cnt > r:
+        if _count_ge(keys, o, m, c) > r:
             t = c
     return t
 
@@ -131,6 +140,20 @@ def _common_prefix(least, most):
 
 
 @njit(cache=True, nogil=True)
+def _rank_bf16(keys, m, r, prefix, high):
+    """bfloat16 bits (round to nearest even) of the r-th largest of keys[:m] (fp32
+    magnitude bits sharing the bits of prefix above high). Only the bits that decide the
+    rounding are searched: down to bit 16, then whether the low half is above, at or
+    below one half."""
+    t = _rank_value(keys, 0, m, r, prefix, high, 16) & ~np.int32(0xFFFF)
+    if _count_ge(keys, 0, m, t | np.int32(0x8001)) > r:
+        return (t >> 16) + 1
+    if _count_ge(keys, 0, m, t | np.int32(0x8000)) > r:  # exactly half: to even
+        return (t >> 16) + ((t >> 16) & 1)
+    return t >> 16
+
+
+@njit(cache=True, nogil=True)
 def _chunk_levels(keys, m, least, most):
     """(hi, lo) bfloat16 bits of the quantizer from m kept magnitude bit patterns, all in
     [least, most]: the same values as ``kernels._levels``, without reordering keys."""
@@ -138,9 +161,9 @@ def _chunk_levels(keys, m, least, most):
     r1 = h // 2
     r2 = h + (m - h) // 2
     prefix, high = _common_prefix(least, most)
-    hi = _rank_value(keys, m, r1, prefix, high, 0)
-    lo = _rank_value(keys, m, r2, prefix, high, 0) if r2 > r1 else hi
-    return _bf16_rne(np.uint32(hi)), _bf16_rne(np.uint32(lo))
+    hi = _rank_bf16(keys, m, r1, prefix, high)
+    lo = _rank_bf16(keys, m, r2, prefix, high) if r2 > r1 else hi
+    return hi, lo
 
 
 # BYTE_BITS[b, :popcount(b)] = positions of the set bits of byte b, ascending
@@ -148,6 +171,18 @@ BYTE_BITS = np.zeros((256, 8), dtype=np.int32)
 for _b in range(256):
     _set = [j for j in range(8) if _b >> j & 1]
     BYTE_BITS[_b, :len(_set)] = _set
+
+
+@njit(cache=True, nogil=True)
+def _put_set_bits(out, m, bits, p0):
+    """Append p0 + j for every set bit j of the 16-bit mask bits to out[m:]; returns the
+    new length. Two table rows stored whole (out needs 16 entries of room past m)."""
+    lo = bits & np.uint64(255)
+    put8_plus(out, m, BYTE_BITS, lo, p0)
+    m += np.int64(popcount(lo))
+    hi = bits >> np.uint64(8)
+    put8_plus(out, m, BYTE_BITS, hi, p0 + 8)
+    return m + np.int64(popcount(hi))
 
 
 @njit(cache=True, nogil=True)
@@ -160,36 +195,35 @@ def _at(base, stride, tile, shift, p):
 
 
 @njit(cache=True, nogil=True)
-def _scan(arr, base, stride, tile, shift, n, segmax, s0, sstride, spr, t, cand, keys, segs):
+def _scan(arr, base, stride, tile, shift, n, segmax, s0, spr, t, cand, keys, segs):
     """Positions (ascending) and keys of the elements with |x| bits >= t, looking only in
     the segments whose maximum reaches t; returns how many. Branch-free where it counts:
-    the segments are listed first, each one's hits come from a compare mask and a table
-    of set-bit positions. cand needs n + 2*SEG room, segs one slot per segment."""
-    nrows = (n + tile - 1) // tile
+    the segments are listed from compare masks over their maxima, each one's hits from a
+    compare mask over its elements, set-bit positions from a table. cand and segs need
+    n + 2*SEG room, segmax 16 readable entries past the chunk's."""
+    nseg = (n + tile - 1) // tile * spr
     ns = 0
-    for r in range(nrows):
-        for s in range(spr):
-            segs[ns] = r * SEG + s
-            ns += segmax[s0 + r * sstride + s] >= t
+    for j in range(0, nseg, SEG):
+        bits = ge_mask16(segmax, s0 + j, t)
+        if nseg - j < SEG:
+            bits &= (np.uint64(1) << np.uint64(nseg - j)) - np.uint64(1)
+        ns = _put_set_bits(segs, ns, bits, j)
+    sps = -1  # log2(spr) when a power of two
+    if spr & (spr - 1) == 0:
+        sps = 0
+        while (1 << sps) < spr:
+            sps += 1
     m = 0
     for i in range(ns):
-        r = segs[i] // SEG
-        q0 = (segs[i] % SEG) * SEG
-        rowlen = min(tile, n - r * tile)
+        g = segs[i]
+        r = g >> sps if sps >= 0 else g // spr
+        q0 = (g - r * spr) * SEG
         p0 = r * tile + q0
-        if q0 + SEG <= rowlen:
-            bits = ge_mask16(arr, base + r * stride + q0, t)
-            lo = bits & np.uint64(255)
-            hi = bits >> np.uint64(8)
-            for j in range(8):
-                cand[m + j] = p0 + BYTE_BITS[lo, j]
-            m += popcount(lo)
-            for j in range(8):
-                cand[m + j] = p0 + 8 + BYTE_BITS[hi, j]
-            m += popcount(hi)
+        if q0 + SEG <= min(tile, n - r * tile):
+            m = _put_set_bits(cand, m, ge_mask16(arr, base + r * stride + q0, t), p0)
         else:
             off = base + r * stride
-            for q in range(q0, rowlen):
+            for q in range(q0, min(tile, n - r * tile)):
                 cand[m] = r * tile + q
                 m += (f32_bits(arr[off + q]) & MAGNITUDE) >= t
     for j in range(m):
@@ -198,19 +232,18 @@ def _scan(arr, base, stride, tile, shift, n, segmax, s0, sstride, spr, t, cand, 
 
 
 @njit(cache=True, nogil=True)
-def _topk(arr, base, stride, tile, shift, n, k, segmax, s0, sstride, spr, hint, cand, keys, tmp, out):
+def _topk(arr, base, stride, tile, shift, n, k, segmax, s0, spr, hint, cand, keys, tmp, out):
     """Positions of the k largest |x| of a chunk, ascending, into cand[:k] (lower position
-    wins ties). Element p of the chunk is at ``_at(base, stride, tile, shift, p)`` in arr; the
-    maximum of segment s of chunk row r is segmax[s0 + r*sstride + s]. hint: a guess at a
-    lower bound of the k-th largest key (0: none), tried first. Sets out[0] to the largest
-    key (Inf/NaN check) and out[1] to the k-th largest. Scratch: cand, keys and tmp of
-    n + 2*SEG."""
-    nrows = (n + tile - 1) // tile
-    nseg = nrows * spr
+    wins ties). Element p of the chunk is at ``_at(base, stride, tile, shift, p)`` in arr;
+    the maxima of its segments are segmax[s0 + r*spr + s] (chunk row r, segment s).
+    hint: a guess at a lower bound of the k-th largest key (0: none), tried first. Sets
+    out[0] to the largest key (Inf/NaN check) and out[1] to a lower bound of the kept
+    keys. Scratch: cand, keys and tmp of n + 2*SEG."""
+    nseg = (n + tile - 1) // tile * spr
     top = np.int32(0)
-    for r in range(nrows):
-        for s in range(spr):
-            top = max(top, segmax[s0 + r * sstride + s])
+    seg = segmax[s0:s0 + nseg]
+    for g in range(seg.shape[0]):
+        top = max(top, seg[g])
     out[0] = top
     if k >= n:
         for p in range(n):
@@ -218,44 +251,114 @@ def _topk(arr, base, stride, tile, shift, n, k, segmax, s0, sstride, spr, hint, 
         out[1] = 0
         return
     t = hint
-    m = _scan(arr, base, stride, tile, shift, n, segmax, s0, sstride, spr, t, cand, keys, tmp) if 0 < t <= top else 0
+    m = _scan(arr, base, stride, tile, shift, n, segmax, s0, spr, t, cand, keys, tmp) if 0 < t <= top else 0
     if m < k:  # no hint, or a wrong one: k segments reach the k-th largest segment maximum
         t = np.int32(0)
         if nseg > k:
-            for r in range(nrows):
-                for s in range(spr):
-                    tmp[r * spr + s] = segmax[s0 + r * sstride + s]
-            t = _rank_value(tmp, nseg, k - 1, np.int32(0), 30, COARSE_BIT)
-        m = _scan(arr, base, stride, tile, shift, n, segmax, s0, sstride, spr, t, cand, keys, tmp)
-    # every key lies in [t, top]: the k-th largest shares their common leading bits
-    prefix, high = _common_prefix(t, top)
-    kth = _rank_value(keys, m, k - 1, prefix, high, 0)
-    out[1] = kth
-    n_gt = 0
-    for j in range(m):
-        n_gt += keys[j] > kth
-    need = k - n_gt
+            t = _rank_value(segmax, s0, nseg, k - 1, np.int32(0), 30, COARSE_BIT)
+        m = _scan(arr, base, stride, tile, shift, n, segmax, s0, spr, t, cand, keys, tmp)
+    # every key lies in [t, top]: the k-th largest shares their common leading bits. Fix
+    # its bits from the top until exactly k keys reach the prefix, or down to bit 0
+    t, high = _common_prefix(t, top)
+    at_least = m  # keys >= t
+    bit = high
+    while bit >= 0 and at_least > k:
+        c = t | np.int32(1 << bit)
+        cnt = _count_ge(keys, 0, m, c)
+        if cnt >= k:
+            t = c
+            at_least = cnt
+        bit -= 1
+    out[1] = t
     w = 0
+    if at_least == k:  # the k keys >= t
+        for j in range(m):
+            cand[w] = cand[j]
+            w += keys[j] >= t
+        return
+    # t is the k-th largest exactly, held by several keys: the lower positions win
+    need = k - _count_ge(keys, 0, m, t + 1)
     for j in range(m):
         kk = keys[j]
-        take = kk > kth or (kk == kth and need > 0)
-        need -= kk == kth and need > 0
+        take = kk > t or (kk == t and need > 0)
+        need -= kk == t and need > 0
         cand[w] = cand[j]
         w += take
 
 
 @njit(cache=True, nogil=True)
-def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats, poss, s, codes, coff, table,
-                  nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
-    """Kept values and flat indices of chunk c, its per-chunk levels and codes (the residual
-    goes to e), and its coded positions (into islot[c], their bit count into nbits[c]).
-    found: (largest, k-th largest) key from _topk. False when the levels overflow."""
-    n_tiles = row_tiles * col_tiles
-    vbits = vals.view(np.uint32)
+def _quantize_kept(vals, k, hi16, lo16, e, flats, codes, coff):
+    """2-bit codes of vals[:k] with levels (hi16, lo16) into codes[coff:], and the
+    residual e[flats[j]] = vals[j] - decoded (bit selects, no branches per value)."""
+    hi_bits = np.int32(hi16) << 16
+    lo_bits = np.int32(lo16) << 16
+    mid = (bits_f32(lo_bits) + bits_f32(hi_bits)) * np.float32(0.5)
+    sign = np.int32(-0x80000000)
+    byte = 0
     for j in range(k):
-        p = cand[j]
-        poss[s + j] = p
-        vals[s + j] = arr[_at(base, stride, tile, shift, p)]
+        x = vals[j]
+        b = f32_bits(x)
+        is_hi = np.int32(abs(x) >= mid)
+        mag = lo_bits ^ ((lo_bits ^ hi_bits) & -is_hi)
+        e[flats[j]] = x - bits_f32(mag | (b & sign))
+        byte |= (is_hi | ((b >> 30) & 2)) << (2 * (j & 3))
+        if (j & 3) == 3:
+            codes[coff + (j >> 2)] = np.uint8(byte)
+            byte = 0
+    if k & 3:
+        codes[coff + (k >> 2)] = np.uint8(byte)
+
+
+@njit(cache=True, nogil=True)
+def _code_positions(out, pos, k, n, fixed):
+    """Writes the coded positions pos[:k] (ascending) at the start of out; returns the bit
+    count. One unaligned 8-byte store per position: out needs 8 bytes of room past the
+    code."""
+    acc = np.uint64(0)
+    nacc = 0
+    o = 0
+    if fixed:
+        w = _fixed_width(n)
+        for j in range(k):
+            acc |= np.uint64(pos[j]) << np.uint64(nacc)
+            nacc += w
+            store_u64(out, o, acc)
+            o += nacc >> 3
+            acc >>= np.uint64(nacc & ~7)
+            nacc &= 7
+        return 8 * o + nacc
+    b = _rice_param(n, k)
+    room = 63 - b - 1  # zero bits that still leave room for the remainder in acc
+    prev = -1
+    for j in range(k):
+        g = pos[j] - prev - 1
+        prev = pos[j]
+        nacc += g >> b  # the quotient in unary: zeros, then the one below
+        while nacc > room:  # a long gap (rare): flush whole zero bytes
+            out[o] = np.uint8(acc & np.uint64(255))
+            o += 1
+            acc = np.uint64(0)
+            nacc -= 8
+        acc |= np.uint64(((g & ((1 << b) - 1)) << 1) | 1) << np.uint64(nacc)
+        nacc += b + 1
+        store_u64(out, o, acc)
+        o += nacc >> 3
+        acc >>= np.uint64(nacc & ~7)
+        nacc &= 7
+    return 8 * o + nacc
+
+
+@njit(cache=True, nogil=True)
+def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats, s, codes, coff, table,
+                  nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys):
+    """Kept values of chunk c, its per-chunk levels and codes (the residual goes to e), and
+    its coded positions (into islot[c], their bit count into nbits[c]). With a table per
+    tensor, the values and flat indices go to vals[s:s+k] and flats[s:s+k] for later;
+    with one per chunk, vals and flats are scratch (s = 0). found: (largest key, a lower
+    bound of the kept keys) from _topk. False when the levels overflow."""
+    n_tiles = row_tiles * col_tiles
+    for j in range(k):
+        vals[s + j] = arr[_at(base, stride, tile, shift, cand[j])]
     if c < n_tiles:
         tr = c // col_tiles
         fb = tr * tile * cols + (c - tr * col_tiles) * tile
@@ -266,30 +369,22 @@ def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats
             flats[s + j] = _flat(c, cand[j], rows, cols, tile, row_tiles, col_tiles)
     if per_chunk:
         for j in range(k):
-            keys[j] = f32_bits(vals[s + j]) & MAGNITUDE
+            keys[j] = f32_bits(vals[j]) & MAGNITUDE
         hi16, lo16 = _chunk_levels(keys, k, found[1], found[0])
         table[2 * c] = hi16
         table[2 * c + 1] = lo16
         if hi16 >= 0x7F80:
             return False
-        _quantize_chunk(e, vals, vbits, flats, s, k, hi16, lo16, codes, coff, sc)
-    if fixed:
-        nbits[c] = k * _fixed_width(n)
-    else:
-        b = _rice_param(n, k)
-        tot = k * (1 + b)
-        prev = -1
-        for j in range(k):
-            tot += (cand[j] - prev - 1) >> b
-            prev = cand[j]
-        nbits[c] = tot
-    _write_index(islot[c], 0, poss, s, k, n, fixed)
+        _quantize_kept(vals, k, hi16, lo16, e, flats, codes, coff)
+    nbits[c] = _code_positions(islot[c], cand, k, n, fixed)
     return True
 
 
 @njit(cache=True, nogil=True)
 def encode_plan(rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk):
-    """Per-tensor output arrays and the number of work units (see ``encode_units``)."""
+    """Per-tensor output arrays and the number of work units (see ``encode_units``). The
+    kept values and flat indices are kept for the whole tensor only with a table per
+    tensor (its levels need every chunk first)."""
     size = tile * tile
     n_tiles = row_tiles * col_tiles
     left = rows * cols - n_tiles * size
@@ -302,10 +397,9 @@ def encode_plan(rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk):
         kc[c] = _kept(n, k_full, size)
         koff[c + 1] = koff[c] + kc[c]
         coff[c + 1] = coff[c] + (kc[c] + 3) // 4
-    total_k = koff[n_chunks]
+    total_k = 0 if per_chunk else koff[n_chunks]
     vals = np.empty(total_k, dtype=np.float32)
     flats = np.empty(total_k, dtype=np.int64)
-    poss = np.empty(total_k, dtype=np.int32)
     codes = np.zeros(coff[n_chunks], dtype=np.uint8)
     table = np.zeros(2 * n_chunks if per_chunk else (2 if n_chunks else 0), dtype=np.uint16)
     nbits = np.zeros(n_chunks, dtype=np.int64)
@@ -316,27 +410,33 @@ def encode_plan(rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk):
             k = _kept(n, k_full, size)
             b = _rice_param(n, k)
             slot = max(slot, (k * _fixed_width(n) + 7) // 8, (k * (b + 1) + ((n - k) >> b) + 7) // 8)
-    islot = np.empty((n_chunks, slot), dtype=np.uint8)
+    islot = np.empty((n_chunks, slot + 8), dtype=np.uint8)  # + room for 8-byte stores
     group = max(1, GROUP_COLS // tile)
     n_units = row_tiles * ((col_tiles + group - 1) // group) + (n_chunks - n_tiles)
-    return n_units, kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot
+    return n_units, kc, koff, coff, vals, flats, codes, table, nbits, bad, islot
 
 
 def scratch(tile: int) -> tuple:
-    """Per-thread scratch buffers for ``encode_units``."""
+    """Per-thread scratch buffers for ``encode_units``: segment maxima (per tile, and of
+    one row of tiles), a leftover chunk,
+    candidates, keys, segment list, the kept values and flat indices of one chunk, and
+    _topk's two results."""
     size = tile * tile
     spr = -(-tile // SEG)
     group = max(1, GROUP_COLS // tile)
-    return (np.empty(max(group * tile * spr, size), dtype=np.int32), np.empty(size + 1, dtype=np.float32),
-            np.empty(size + 2 * SEG, dtype=np.int32), np.empty(size + 2 * SEG, dtype=np.int32),
-            np.empty(size + 2 * SEG, dtype=np.int32), np.empty(2, dtype=np.int32), np.empty(2, dtype=np.uint32))
+    room = size + 2 * SEG
+    return (np.zeros(group * tile * spr + SEG, dtype=np.int32), np.empty(group * spr, dtype=np.int32),
+            np.empty(size + 1, dtype=np.float32),
+            np.empty(room, dtype=np.int32), np.zeros(room, dtype=np.int32), np.empty(room, dtype=np.int32),
+            np.empty(size, dtype=np.float32), np.empty(size, dtype=np.int64), np.empty(2, dtype=np.int32))
 
 
 @njit(cache=True, nogil=True)
-def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk, fixed, u0, u1,
-                 kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot,
-                 segmax, gbuf, cand, keys, tmp, found, sc):
-    """Error feedback, top-k and (per-chunk table) quantization for work units [u0, u1).
+def encode_units(prev, d, beta, e, rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk, fixed, u0, u1,
+                 kc, koff, coff, vals, flats, codes, table, nbits, bad, islot,
+                 segmax, rowmax, gbuf, cand, keys, tmp, cvals, cflats, found):
+    """Error feedback ``e = beta*prev + d`` (prev is left as it was), top-k and (per-chunk
+    table) quantization for work units [u0, u1).
 
     A unit is a group of up to GROUP_COLS columns of tiles in one band of tile rows, or
     one leftover chunk (1-D tensors, and the right and bottom strips of 2-D ones).
@@ -353,49 +453,53 @@ def encode_units(e, d, beta, rows, cols, tile, row_tiles, col_tiles, k_full, per
         shift = 0
         while (1 << shift) < tile:
             shift += 1
+    if per_chunk:  # one chunk's values and flat indices at a time, in scratch
+        vals, flats = cvals, cflats
     hint = np.int32(0)  # the previous tile's k-th largest, lowered: usually still k candidates
     for u in range(u0, u1):
         if u < row_tiles * gpb:
             tr = u // gpb
             tc0 = (u - tr * gpb) * group
             tc1 = min(col_tiles, tc0 + group)
-            _ef_rows(e, d, beta, tr * tile, tile, cols, tc0 * tile, tc1 * tile, tile, spr, segmax)
+            _ef_rows(prev, d, beta, e, tr * tile, tile, cols, tc0 * tile, tc1 * tile, tile, spr, segmax, rowmax)
             for tc in range(tc0, tc1):
                 c = tr * col_tiles + tc
                 base = tr * tile * cols + tc * tile
-                _topk(e, base, cols, tile, shift, size, kc[c], segmax, (tc - tc0) * spr, (tc1 - tc0) * spr, spr,
+                _topk(e, base, cols, tile, shift, size, kc[c], segmax, (tc - tc0) * tile * spr, spr,
                       hint, cand, keys, tmp, found)
                 hint = max(np.int32(0), found[1] - HINT_MARGIN)
                 if found[0] >= INF or not _finish_chunk(
-                        c, size, kc[c], e, base, cols, shift, cand, found, e, vals, flats, poss, koff[c], codes, coff[c], table,
-                        nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
+                        c, size, kc[c], e, base, cols, shift, cand, found, e, vals, flats,
+                        0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
+                        row_tiles, col_tiles, per_chunk, fixed, keys):
                     bad[c] = 1
         else:
             c = n_tiles + u - row_tiles * gpb
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
             q0 = (c - n_tiles) * size
             if col_tiles == 0:  # a 1-D tensor: the chunk is contiguous
-                _ef_span(e[q0:q0 + n], d[q0:q0 + n], beta)
+                _ef_span(prev[q0:q0 + n], d[q0:q0 + n], beta, e[q0:q0 + n])
                 _segmax_flat(e[q0:q0 + n], n, tile, spr, segmax)
                 arr, base = e, q0
             else:
                 for p in range(n):
                     f = _leftover_flat(q0 + p, rows, cols, tile, row_tiles, col_tiles)
-                    x = e[f] * beta + d[f]
+                    x = prev[f] * beta + d[f]
                     e[f] = x
                     gbuf[p] = x
                 _segmax_flat(gbuf, n, tile, spr, segmax)
                 arr, base = gbuf, 0
-            _topk(arr, base, tile, tile, shift, n, kc[c], segmax, 0, spr, spr, np.int32(0), cand, keys, tmp, found)
+            _topk(arr, base, tile, tile, shift, n, kc[c], segmax, 0, spr, np.int32(0), cand, keys, tmp, found)
             if found[0] >= INF or not _finish_chunk(
-                    c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats, poss, koff[c], codes, coff[c], table,
-                    nbits, islot, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed, keys, sc):
+                    c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats,
+                    0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
+                    row_tiles, col_tiles, per_chunk, fixed, keys):
                 bad[c] = 1
 
 
 @njit(cache=True, nogil=True)
 def encode_finish(e, rows, cols, tile, row_tiles, col_tiles, per_chunk, fixed,
-                  kc, koff, coff, vals, flats, poss, codes, table, nbits, bad, islot):
+                  kc, koff, coff, vals, flats, codes, table, nbits, bad, islot):
     """Per-tensor quantizer levels (table per tensor) and the index section, joined from
     the chunks' slots.
 

@@ -1,6 +1,8 @@
-"""Single machine instructions for the numba kernels (llvmlite intrinsics): bit casts,
-16-wide vector compares, trailing-zero and population counts, unaligned loads, and
-stores and prefetches through raw addresses (one kernel call updates many tensors). Numba's own integer typing widens and branches where these do not.
+"""Single machine instructions for the numba kernels (llvmlite intrinsics): bit casts both ways,
+16-wide vector compares, trailing-zero and population counts, unaligned 64-bit loads and
+stores, an 8-wide table row stored with an offset added, and stores and prefetches
+through raw addresses (one kernel call updates many tensors). Numba's own integer typing
+widens and branches where these do not.
 
 Without numba, plain-Python equivalents stand in (slow, same results).
 """
@@ -47,6 +49,18 @@ if HAVE_NUMBA:
             return builder.bitcast(args[0], ir.IntType(32))
 
         return types.int32(types.float32), codegen
+
+    @intrinsic
+    def bits_f32(typingctx, x):
+        """The float32 whose IEEE bit pattern is the int32 x (the inverse of f32_bits; wider
+        integers are truncated to 32 bits)."""
+        if not isinstance(x, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.int32), codegen
 
     @intrinsic
     def ge_mask16(typingctx, arr, i, t):
@@ -109,6 +123,46 @@ if HAVE_NUMBA:
 
         return types.uint64(buf, i), codegen
 
+    @intrinsic
+    def store_u64(typingctx, buf, i, v):
+        """buf[i:i+8] = the 8 little-endian bytes of v (one unaligned store; the caller keeps
+        i + 8 <= len(buf))."""
+        if not (isinstance(buf, types.Array) and buf.dtype == types.uint8 and buf.ndim == 1 and v == types.uint64):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+            builder.store(args[2], ptr, align=1)
+            return context.get_dummy_value()
+
+        return types.void(buf, i, v), codegen
+
+    @intrinsic
+    def put8_plus(typingctx, dst, o, table, row, add):
+        """dst[o:o+8] = table[8*row : 8*row+8] + add, for int32 arrays (one vector load, add
+        and unaligned store; the caller keeps o + 8 <= len(dst))."""
+        if not (isinstance(dst, types.Array) and isinstance(table, types.Array)
+                and dst.dtype == types.int32 and table.dtype == types.int32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            d, ov, tb, rv, av = args
+            i32 = ir.IntType(32)
+            vty = ir.VectorType(i32, 8)
+            dptr = context.make_array(signature.args[0])(context, builder, d).data
+            tptr = context.make_array(signature.args[2])(context, builder, tb).data
+            start = builder.mul(context.cast(builder, rv, signature.args[3], types.int64), ir.Constant(ir.IntType(64), 8))
+            v = builder.load(builder.bitcast(builder.gep(tptr, [start]), vty.as_pointer()), align=4)
+            one = builder.insert_element(ir.Constant(vty, ir.Undefined),
+                                         builder.trunc(context.cast(builder, av, signature.args[4], types.int64), i32),
+                                         ir.Constant(i32, 0))
+            splat = builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(vty, [0] * 8))
+            builder.store(builder.add(v, splat), builder.bitcast(builder.gep(dptr, [ov]), vty.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(dst, o, table, row, add), codegen
+
     def _f32_ptr(builder, addr, i):
         base = builder.inttoptr(addr, ir.FloatType().as_pointer())
         return builder.gep(base, [i])
@@ -145,6 +199,9 @@ else:  # pragma: no cover - exercised only where numba is missing
     def f32_bits(x):
         return np.int32(np.float32(x).view(np.int32))
 
+    def bits_f32(x):
+        return np.int32(x).view(np.float32)
+
     def ge_mask16(arr, i, t):
         keys = arr[i:i + LANES].view(np.int32)
         if arr.dtype == np.float32:
@@ -160,6 +217,12 @@ else:  # pragma: no cover - exercised only where numba is missing
 
     def load_u64(buf, i):
         return np.uint64(int.from_bytes(bytes(buf[i:i + 8]), "little"))
+
+    def store_u64(buf, i, v):
+        buf[i:i + 8] = np.frombuffer(int(v).to_bytes(8, "little"), np.uint8)
+
+    def put8_plus(dst, o, table, row, add):
+        dst[o:o + 8] = table.reshape(-1)[8 * int(row):8 * int(row) + 8] + add
 
     def add_f32_at(addr, i, x):
         import ctypes
