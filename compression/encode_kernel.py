@@ -58,8 +58,8 @@ def _ef_rows(prev, d, beta, e, row0, nrows, cols, c0, c1, tile, spr, segmax, row
     tiles), and the segment maxima of |e|, each tile's together:
     segmax[tc*tile*spr + r*spr + s] for tile tc (from c0), tile row r, segment s. Rows
     spanning the whole width are one contiguous stream, taken in blocks of about L1 size;
-    each block's maxima are taken while it is still in L1 (a row's at once into rowmax,
-    then spread over the tiles)."""
+    each block's maxima are taken while it is still in L1 (all at once into rowmax, then
+    spread over the tiles)."""
     eb = e.view(np.int32)
     nt = (c1 - c0) // tile
     per_tile = tile * spr
@@ -68,18 +68,18 @@ def _ef_rows(prev, d, beta, e, row0, nrows, cols, c0, c1, tile, spr, segmax, row
     for r0 in range(0, nrows, block):
         r1 = min(nrows, r0 + block)
         a = (row0 + r0) * cols + c0
-        if width == cols:
-            _ef_span(prev[a:a + (r1 - r0) * cols], d[a:a + (r1 - r0) * cols], beta, e[a:a + (r1 - r0) * cols])
-        else:
-            _ef_span(prev[a:a + width], d[a:a + width], beta, e[a:a + width])
-        for r in range(r0, r1):
-            a = (row0 + r) * cols + c0
-            if tile % SEG == 0:
-                _seg16_max(eb[a:a + width], rowmax[:nt * spr])
+        span = (r1 - r0) * cols if width == cols else width  # contiguous
+        _ef_span(prev[a:a + span], d[a:a + span], beta, e[a:a + span])
+        if tile % SEG == 0:  # the block's rows are back to back: their maxima at once
+            w = nt * spr
+            _seg16_max(eb[a:a + span], rowmax[:(r1 - r0) * w])
+            for r in range(r0, r1):
                 for tc in range(nt):
                     for s in range(spr):
-                        segmax[tc * per_tile + r * spr + s] = rowmax[tc * spr + s]
-                continue
+                        segmax[tc * per_tile + r * spr + s] = rowmax[(r - r0) * w + tc * spr + s]
+            continue
+        for r in range(r0, r1):
+            a = (row0 + r) * cols + c0
             for tc in range(nt):
                 for s in range(spr):
                     m = np.int32(0)
@@ -425,7 +425,7 @@ def scratch(tile: int) -> tuple:
     spr = -(-tile // SEG)
     group = max(1, GROUP_COLS // tile)
     room = size + 2 * SEG
-    return (np.zeros(group * tile * spr + SEG, dtype=np.int32), np.empty(group * spr, dtype=np.int32),
+    return (np.zeros(group * tile * spr + SEG, dtype=np.int32), np.empty(max(group * spr, EF_BLOCK // SEG), dtype=np.int32),
             np.empty(size + 1, dtype=np.float32),
             np.empty(room, dtype=np.int32), np.zeros(room, dtype=np.int32), np.empty(room, dtype=np.int32),
             np.empty(size, dtype=np.float32), np.empty(size, dtype=np.int64), np.empty(2, dtype=np.int32))
