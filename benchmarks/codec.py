@@ -6,7 +6,9 @@ how much error does the 2-bit quantizer add?
 
 Definitions (all GB/s count fp32 pseudo-gradient bytes, 4 per parameter):
 - encode: ``Compressor.compress`` (error feedback, top-k, quantize, code, frame).
-- decode+apply: ``decode_frame`` + ``apply_frames`` into fp32 parameters.
+- decode+apply: ``decode_apply`` into fp32 parameters: the frame is validated and added
+  in one pass (a bad frame leaves them as they were), with the bits of ``decode_frame``
+  + ``apply_frames``.
 - ef_pass: ``e.mul_(beta).add_(delta)`` on the compressor's own buffers, same run.
 - rel_error_vs_exact_topk: from a zero error state, ``||decoded - topk(e)|| / ||topk(e)||``
   where ``topk(e)`` keeps the exact per-chunk top-k of ``e`` unquantized (the error the
@@ -32,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, on_huge_pages  # noqa: E402
+from compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame, on_huge_pages  # noqa: E402
 
 BETA = 0.95
 
@@ -98,21 +100,21 @@ def run_workload(name: str, layout: Layout, repeats: int) -> dict:
         frame = c.compress(deltas, round=r, sender=0)
     # parameters as the coordinator and workers hold them: one buffer on huge pages
     params = on_huge_pages([torch.zeros(s.shape) for s in layout.specs])
-    apply_frames(params, [decode_frame(frame, layout)])
+    decode_apply(params, frame, layout)
 
     def ef_pass() -> None:
         for e, d in zip(c.error, deltas, strict=False):
             e.mul_(BETA).add_(d.reshape(-1))
 
-    def decode_apply() -> None:
-        apply_frames(params, [decode_frame(frame, layout)])
+    def decode_and_apply() -> None:
+        decode_apply(params, frame, layout)
 
     # interleaved, so that all three see the same machine load
     times = {"enc": [], "ef": [], "dec": []}
     for r in range(repeats):
         times["enc"].append(timed(lambda r=r: c.compress(deltas, round=r, sender=0)))
         times["ef"].append(timed(ef_pass))
-        times["dec"].append(timed(decode_apply))
+        times["dec"].append(timed(decode_and_apply))
     t_enc, t_ef, t_dec = (statistics.median(times[k]) for k in ("enc", "ef", "dec"))
     err, ref, _ = quant_error(layout, deltas)
     n = layout.numel

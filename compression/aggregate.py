@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import decode_kernel, kernels
-from .frame import Frame
+from .frame import Frame, decode_frame
 from .layout import Layout
 from .threadpool import pieces, run_tasks
 
@@ -136,25 +136,57 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
                    for a, b in pieces(len(idx), SCATTER_PIECE)], torch.get_num_threads())
 
 
-def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:
-    """One sparse frame straight from its sections into fp32 CPU params, on the codec
-    threads, with no index or value arrays in between: ``p = p + fp32(alpha) *
-    fp32(fp32(w) * v)``, the general path's bits. False (nothing done) when a param does
-    not qualify."""
-    if not kernels.HAVE_NUMBA or frame.body is None:
-        return False
+def _cpu_addresses(layout: Layout, params) -> np.ndarray | None:
+    """Data addresses of fp32 contiguous CPU params for the numba kernels, or None when a
+    param does not qualify (or numba is missing)."""
+    if not kernels.HAVE_NUMBA:
+        return None
     addrs = np.zeros(len(params), dtype=np.int64)
     for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
         if tuple(p.shape) != spec.shape:
             raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
         if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()):
-            return False
+            return None
         addrs[j] = p.data_ptr()
+    return addrs
+
+
+def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:
+    """One sparse frame straight from its sections into fp32 CPU params, on the codec
+    threads, with no index or value arrays in between: ``p = p + fp32(alpha) *
+    fp32(fp32(w) * v)``, the general path's bits. False (nothing done) when a param does
+    not qualify."""
+    addrs = _cpu_addresses(layout, params) if frame.body is not None else None
+    if addrs is None:
+        return False
     with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
         problem = frame.body.run(decode_kernel.APPLY, addrs=addrs, w=weight, a=alpha)
     if problem is not None:  # validated by decode_frame: cannot happen
         raise AssertionError(f"applying a validated frame failed: {problem}")
     return True
+
+
+def decode_apply(params: Sequence[torch.Tensor], data: bytes, layout: Layout, *, weight: float = 1.0,
+                 alpha: float = 1.0) -> Frame:
+    """``apply_frames(params, [decode_frame(data, layout)], [weight], alpha=alpha)`` with
+    the same result bits and errors, in one pass where it can: for a sparse frame and
+    fp32 contiguous CPU params, each chunk is added in as soon as its indices check out,
+    keeping the values it overwrites; a problem found later puts every one of them back
+    (the params are bit for bit as before) and raises FrameError. Returns the frame."""
+    params = list(params)
+    if len(params) != len(layout.specs):
+        raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
+    w = float(weight)
+    addrs = _cpu_addresses(layout, params)
+    if addrs is None:
+        frame = decode_frame(data, layout)
+        apply_frames(params, [frame], [w], alpha=alpha)
+        return frame
+    with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
+        frame = decode_frame(data, layout, _apply_to=(addrs, w, alpha))
+    if frame.kind == "dense":
+        apply_frames(params, [frame], [w], alpha=alpha)
+    return frame
 
 
 def _scatter_task(arr, idx, step, a: int, b: int):

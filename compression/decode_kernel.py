@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intrinsics import add_f32_at, ctz, load_u64, prefetch_f32_at
+from .intrinsics import add_f32_at, ctz, load_u64, prefetch_f32_at, store_f32_at, swap_add_f32_at
 from .kernels import (
     ERR_CODE_PADDING,
     ERR_INDEX_ORDER,
@@ -124,12 +124,20 @@ def _to_flat(c, out_flat, o, k, rows, cols, tile, sh, row_tiles, col_tiles):
             out_flat[j] = _flat(c, out_flat[j], rows, cols, tile, row_tiles, col_tiles)
 
 
-VALIDATE, MATERIALIZE, APPLY = 0, 1, 2  # what decode_segments does with each chunk
+@njit(cache=True, nogil=True)
+def _add_logged(base, pos, val, k, o, w, a, undo):
+    """p[pos[j]] += a * (w * val[j]) for the fp32 array at address base, keeping the values
+    replaced in undo[o + j]."""
+    for j in range(k):
+        undo[o + j] = swap_add_f32_at(base, pos[j], a * (w * val[j]))
+
+
+VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what decode_segments does with each chunk
 
 
 @njit(cache=True, nogil=True)
 def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off,
-                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, result):
+                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, undo, applied, result):
     """Decode segments [s0, s1) of a sparse frame, and per ``mode``:
 
     - VALIDATE: check everything, and keep each kept element's in-chunk position in
@@ -138,7 +146,12 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
     - APPLY: ``p_t[i] = p_t[i] + a * (w * v)`` in fp32 for every kept (i, v) of tensor t,
       whose fp32 data starts at address addrs[t] (the frame must have been validated).
       A chunk's cache lines are asked for before any of them is written, so the misses
-      overlap.
+      overlap;
+    - CHECK_APPLY: VALIDATE, and APPLY each chunk as soon as it checks out, keeping the
+      values it overwrites in ``undo`` (one per kept element) and how far segment s got
+      in ``applied[s]`` (kept elements, from seg_start[s, 2]);
+    - RESTORE: after a CHECK_APPLY that found a problem, put the ``undo`` values back for
+      every element below ``applied[s]``: the parameters are bit for bit as before.
 
     buf: the index section followed by INDEX_PAD zero bytes; offsets[s]: where segment s
     starts in it (offsets[-1] == index_len). levels: fp32 (hi, lo) pairs; tab_off[t]:
@@ -151,6 +164,9 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
     lv = np.empty(4, dtype=np.float32)
     scratch_pos = np.empty(size, dtype=np.int64)
     scratch_val = np.empty(size, dtype=np.float32)
+    pend_pos = np.empty(size, dtype=np.int64)  # CHECK_APPLY: the chunk whose lines are on their way
+    pend_val = np.empty(size, dtype=np.float32)
+    pend_k = pend_o = pend_base = 0
     sh = -1
     if tile & (tile - 1) == 0:
         sh = 0
@@ -172,9 +188,20 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 continue
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
             k = _kept(n, k_full, size)
-            if mode != VALIDATE:  # validated: the positions are known
+            if mode == RESTORE and o + k > applied[s]:
+                break
+            if mode != VALIDATE and mode != CHECK_APPLY:  # validated: the positions are known
                 for j in range(k):
                     scratch_pos[j] = positions[o + j]
+                if mode == RESTORE:
+                    _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
+                    for j in range(k):
+                        store_f32_at(addrs[t], scratch_pos[j], undo[o + j])
+                    o += k
+                    cpos += (k + 3) // 4
+                    c += 1
+                    done += 1
+                    continue
                 ti = tab_off[t] + (2 * c if per_chunk else 0)
                 _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0)
                 _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
@@ -211,11 +238,24 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 return
             for j in range(k):
                 positions[o + j] = scratch_pos[j]
+            if mode == CHECK_APPLY:  # ask for this chunk's lines, add in the previous chunk's
+                _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
+                for j in range(k):
+                    prefetch_f32_at(addrs[t], scratch_pos[j])
+                _add_logged(pend_base, pend_pos, pend_val, pend_k, pend_o, w, a, undo)
+                applied[s] = pend_o + pend_k
+                scratch_pos, pend_pos = pend_pos, scratch_pos
+                scratch_val, pend_val = pend_val, scratch_val
+                pend_k, pend_o, pend_base = k, o, addrs[t]
             o += k
             cpos += (k + 3) // 4
             c += 1
             done += 1
-        if mode == VALIDATE and pos != end:
+        if mode == CHECK_APPLY:  # the segment's last chunk
+            _add_logged(pend_base, pend_pos, pend_val, pend_k, pend_o, w, a, undo)
+            applied[s] = pend_o + pend_k
+            pend_k = 0
+        if mode in (VALIDATE, CHECK_APPLY) and pos != end:
             result[0], result[1], result[2], result[3] = ERR_SEGMENT_END, t, c, s
             return
     result[0] = OK

@@ -205,7 +205,8 @@ class SparseBody:
     index_dtype: type
     positions: np.ndarray  # in-chunk position of every kept element (uint16), found by VALIDATE
 
-    def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0) -> tuple:
+    def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0,
+            undo=None, applied=None) -> tuple:
         """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
         returns the first problem (status, tensor, chunk, segment) or None."""
         n_seg = len(self.seg_start)
@@ -214,6 +215,8 @@ class SparseBody:
         out_flat = _EMPTY_I64 if out_flat is None else out_flat
         out_val = _EMPTY_F32 if out_val is None else out_val
         addrs = _EMPTY_I64 if addrs is None else addrs
+        undo = _EMPTY_F32 if undo is None else undo
+        applied = _EMPTY_I64 if applied is None else applied
         w32, a32 = np.float32(w), np.float32(a)
 
         def task(i: int, s0: int, s1: int):
@@ -221,7 +224,7 @@ class SparseBody:
                 decode_kernel.decode_segments(mode, self.buf, self.index_len, self.offsets, self.codes, self.levels,
                                               self.per_chunk, self.fixed, self.k_full, self.tile, self.grid,
                                               self.tab_off, self.seg_start, s0, s1, self.positions, out_flat,
-                                              out_val, addrs, w32, a32, results[i])
+                                              out_val, addrs, w32, a32, undo, applied, results[i])
             return run
 
         run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
@@ -310,8 +313,12 @@ class Frame:
         return f"Frame({self.kind}, round={self.round}, sender={self.sender}, {self.nbytes} bytes)"
 
 
-def decode_frame(data: bytes, layout: Layout) -> Frame:
-    """Validate and decode a frame made for ``layout``; raises FrameError on any problem."""
+def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None) -> Frame:
+    """Validate and decode a frame made for ``layout``; raises FrameError on any problem.
+
+    (_apply_to: (param addresses, weight, alpha) for ``aggregate.decode_apply``: a sparse
+    frame's chunks are added into the fp32 params as they check out, and put back bit for
+    bit before FrameError is raised.)"""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError(f"frame must be bytes, got {type(data).__name__}")
     data = bytes(data)
@@ -321,7 +328,7 @@ def decode_frame(data: bytes, layout: Layout) -> Frame:
     body = memoryview(data)[HEADER_BYTES:-_CRC.size]
     if kind == KIND_DENSE:
         return _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender)
-    return _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender)
+    return _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, _apply_to)
 
 
 def _read_header(data: bytes) -> tuple:
@@ -417,7 +424,7 @@ def _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender) -> F
                  params={"dtype": _DENSE_DTYPES[p1][2]})
 
 
-def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> Frame:
+def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, apply_to=None) -> Frame:
     if p1 not in (TABLE_PER_TENSOR, TABLE_PER_CHUNK) or p2 not in (INDEX_FIXED, INDEX_RICE):
         raise FrameError(f"sparse frame has unknown table mode {p1} or index coding {p2}")
     if not 1 <= tile <= MAX_TILE:
@@ -439,7 +446,15 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender) -> 
     sparse = SparseBody(buf, len(index_raw), _offsets(offsets_raw, len(index_raw)),
                         np.frombuffer(codes_raw, np.uint8), _levels(table_raw), per_chunk, fixed, k_full, tile, grid,
                         tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16))
-    problem = sparse.run(decode_kernel.VALIDATE)
+    if apply_to is None:
+        problem = sparse.run(decode_kernel.VALIDATE)
+    else:
+        addrs, w, a = apply_to
+        undo = np.empty(kept_off[-1], dtype=np.float32)
+        applied = seg_start[:, 2].copy()  # nothing applied yet
+        problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, undo=undo, applied=applied)
+        if problem is not None:
+            sparse.run(decode_kernel.RESTORE, addrs=addrs, undo=undo, applied=applied)
     if problem is not None:
         status, t, c, s = problem
         raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c, s=s))

@@ -181,6 +181,32 @@ if HAVE_NUMBA:
         return types.void(addr, i, x), codegen
 
     @intrinsic
+    def swap_add_f32_at(typingctx, addr, i, x):
+        """``p[i] = p[i] + x`` like add_f32_at, returning the value it replaced."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and x == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ptr = _f32_ptr(builder, args[0], args[1])
+            old = builder.load(ptr)
+            builder.store(builder.fadd(old, args[2]), ptr)
+            return old
+
+        return types.float32(addr, i, x), codegen
+
+    @intrinsic
+    def store_f32_at(typingctx, addr, i, x):
+        """``p[i] = x`` for the fp32 array whose data starts at address addr."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and x == types.float32):
+            return None
+
+        def codegen(context, builder, signature, args):
+            builder.store(args[2], _f32_ptr(builder, args[0], args[1]))
+            return context.get_dummy_value()
+
+        return types.void(addr, i, x), codegen
+
+    @intrinsic
     def prefetch_f32_at(typingctx, addr, i):
         """Ask for the cache line of element i of the fp32 array at address addr, ahead of
         a write (a hint: never faults)."""
@@ -228,6 +254,17 @@ else:  # pragma: no cover - exercised only where numba is missing
         import ctypes
         cell = ctypes.c_float.from_address(int(addr) + 4 * int(i))
         cell.value = np.float32(np.float32(cell.value) + np.float32(x))
+
+    def swap_add_f32_at(addr, i, x):
+        import ctypes
+        cell = ctypes.c_float.from_address(int(addr) + 4 * int(i))
+        old = np.float32(cell.value)
+        cell.value = np.float32(old + np.float32(x))
+        return old
+
+    def store_f32_at(addr, i, x):
+        import ctypes
+        ctypes.c_float.from_address(int(addr) + 4 * int(i)).value = np.float32(x)
 
     def prefetch_f32_at(addr, i):
         return None

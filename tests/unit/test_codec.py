@@ -1,5 +1,6 @@
 """Behaviour of the SparseLoCo codec: selection, quantizer, error feedback, frames, apply."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from compression import (
     TensorSpec,
     aggregate,
     apply_frames,
+    decode_apply,
     decode_frame,
     encode_dense,
     kernels,
@@ -336,6 +338,51 @@ def test_single_frame_apply_matches_the_aggregate_bit_for_bit(huge):
     want = [p + torch.tensor(0.3) * u for p, u in zip(start, aggregate(lay, [f], [0.7]), strict=True)]
     for p, q in zip(params, want, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kw", [{}, {"table": "tensor"}, {"index_coding": "fixed"}, {"tile": 8}])
+def test_decode_apply_matches_decode_then_apply(kw):
+    """decode_apply validates and adds in one pass: same bits as decode_frame +
+    apply_frames, on fp32 CPU params and (through the general path) bf16 ones."""
+    frame = Compressor(LAYOUT, density=1 / 8, **kw).compress(deltas(3), round=0, sender=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        start = [torch.randn(s.shape).to(dtype) for s in SPECS]
+        want = [p.clone() for p in start]
+        apply_frames(want, [decode_frame(frame, LAYOUT)], [0.7], alpha=0.3)
+        got = [p.clone() for p in start]
+        f = decode_apply(got, frame, LAYOUT, weight=0.7, alpha=0.3)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        ref = decode_frame(frame, LAYOUT)
+        assert all(torch.equal(a, b) for a, b in zip(f.indices, ref.indices, strict=True))
+
+
+def test_decode_apply_puts_everything_back_when_a_later_chunk_is_bad():
+    """Chunks are added as they check out; a problem found after some were added (in the
+    last chunk, or at the segment's end) must leave the params bit for bit as before, and
+    raise the error decode_frame raises."""
+    lay = Layout([TensorSpec("w", (512, 512), torch.float32)])  # 64 chunks: one segment
+    frame = Compressor(lay).compress([torch.randn(512, 512)], round=0, sender=0)
+    start = on_huge_pages([torch.randn(512, 512)])
+    late = 0
+    for off in range(len(frame) - 5, len(frame) - 60, -1):  # the index section's last bytes
+        bad = bytearray(frame)
+        bad[off] ^= 0xA5
+        bad = _with_crc(bad)
+        try:
+            decode_frame(bad, lay)
+        except FrameError as exc:
+            message = str(exc)
+        else:
+            continue
+        if not re.search(r"chunk 63|segment 0 do not end", message):
+            continue
+        params = [p.clone() for p in start]
+        with pytest.raises(FrameError) as caught:
+            decode_apply(params, bad, lay)
+        assert str(caught.value) == message
+        assert torch.equal(params[0], start[0])
+        late += 1
+    assert late >= 5
 
 
 def test_on_huge_pages_copies_values_and_shapes():
