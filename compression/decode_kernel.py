@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .intrinsics import add_f32_at, ctz, load_u64, prefetch_f32_at, store_f32_at, swap_add_f32_at
+from .intrinsics import (
+    add_f32_at,
+    ctz,
+    f32_bits,
+    load_u64,
+    prefetch_f32_at,
+    store_f32_at,
+    swap_add_f32_at,
+)
 from .kernels import (
     ERR_CODE_PADDING,
     ERR_INDEX_ORDER,
@@ -125,11 +133,19 @@ def _to_flat(c, out_flat, o, k, rows, cols, tile, sh, row_tiles, col_tiles):
 
 
 @njit(cache=True, nogil=True)
-def _add_logged(base, pos, val, k, o, w, a, undo):
-    """p[pos[j]] += a * (w * val[j]) for the fp32 array at address base, keeping the values
-    replaced in undo[o + j]."""
+def _add_undoable(base, pos, val, k, w, a, log_addr, log_val, at):
+    """p[pos[j]] += d_j = a * (w * val[j]) for the fp32 array at address base. Where
+    subtracting d_j again would not give the old bits back (rounding lost some of them),
+    the old value and its address go to the log at log_addr/log_val[at:]: then every
+    element can be put back exactly. Returns where the next entry goes."""
     for j in range(k):
-        undo[o + j] = swap_add_f32_at(base, pos[j], a * (w * val[j]))
+        d = a * (w * val[j])
+        old = swap_add_f32_at(base, pos[j], d)
+        if f32_bits((old + d) - d) != f32_bits(old):  # rare: no store in the common case
+            log_addr[at] = base + 4 * pos[j]
+            log_val[at] = old
+            at += 1
+    return at
 
 
 VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what decode_segments does with each chunk
@@ -137,7 +153,8 @@ VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what decod
 
 @njit(cache=True, nogil=True)
 def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off,
-                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, undo, applied, result):
+                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, log_addr, log_val, n_log,
+                    applied, result):
     """Decode segments [s0, s1) of a sparse frame, and per ``mode``:
 
     - VALIDATE: check everything, and keep each kept element's in-chunk position in
@@ -147,11 +164,14 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
       whose fp32 data starts at address addrs[t] (the frame must have been validated).
       A chunk's cache lines are asked for before any of them is written, so the misses
       overlap;
-    - CHECK_APPLY: VALIDATE, and APPLY each chunk as soon as it checks out, keeping the
-      values it overwrites in ``undo`` (one per kept element) and how far segment s got
-      in ``applied[s]`` (kept elements, from seg_start[s, 2]);
-    - RESTORE: after a CHECK_APPLY that found a problem, put the ``undo`` values back for
-      every element below ``applied[s]``: the parameters are bit for bit as before.
+    - CHECK_APPLY: check like VALIDATE (without keeping the positions), and APPLY each
+      chunk as soon as it checks out (its lines asked for one chunk ahead), keeping how
+      far segment s got in ``applied[s]`` (kept elements, from seg_start[s, 2]) and, for
+      the elements whose update cannot be subtracted back exactly, their address and old
+      value in log_addr/log_val (segment s's n_log[s] entries from seg_start[s, 2]);
+    - RESTORE: after a CHECK_APPLY that found a problem, subtract every update below
+      ``applied[s]`` again, then put the logged values back: the parameters are bit for
+      bit as before.
 
     buf: the index section followed by INDEX_PAD zero bytes; offsets[s]: where segment s
     starts in it (offsets[-1] == index_len). levels: fp32 (hi, lo) pairs; tab_off[t]:
@@ -166,7 +186,7 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
     scratch_val = np.empty(size, dtype=np.float32)
     pend_pos = np.empty(size, dtype=np.int64)  # CHECK_APPLY: the chunk whose lines are on their way
     pend_val = np.empty(size, dtype=np.float32)
-    pend_k = pend_o = pend_base = 0
+    pend_k = pend_base = 0
     sh = -1
     if tile & (tile - 1) == 0:
         sh = 0
@@ -190,18 +210,9 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
             k = _kept(n, k_full, size)
             if mode == RESTORE and o + k > applied[s]:
                 break
-            if mode != VALIDATE and mode != CHECK_APPLY:  # validated: the positions are known
+            if mode in (MATERIALIZE, APPLY):  # validated: the positions are known
                 for j in range(k):
                     scratch_pos[j] = positions[o + j]
-                if mode == RESTORE:
-                    _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
-                    for j in range(k):
-                        store_f32_at(addrs[t], scratch_pos[j], undo[o + j])
-                    o += k
-                    cpos += (k + 3) // 4
-                    c += 1
-                    done += 1
-                    continue
                 ti = tab_off[t] + (2 * c if per_chunk else 0)
                 _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0)
                 _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
@@ -236,25 +247,36 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
             if status != OK:
                 result[0], result[1], result[2], result[3] = status, t, c, s
                 return
-            for j in range(k):
-                positions[o + j] = scratch_pos[j]
-            if mode == CHECK_APPLY:  # ask for this chunk's lines, add in the previous chunk's
+            if mode == VALIDATE:
+                for j in range(k):
+                    positions[o + j] = scratch_pos[j]
+            elif mode == CHECK_APPLY:  # ask for this chunk's lines, add in the previous chunk's
                 _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
                 for j in range(k):
                     prefetch_f32_at(addrs[t], scratch_pos[j])
-                _add_logged(pend_base, pend_pos, pend_val, pend_k, pend_o, w, a, undo)
-                applied[s] = pend_o + pend_k
+                n_log[s] = _add_undoable(pend_base, pend_pos, pend_val, pend_k, w, a, log_addr, log_val,
+                                         seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
+                applied[s] = o
                 scratch_pos, pend_pos = pend_pos, scratch_pos
                 scratch_val, pend_val = pend_val, scratch_val
-                pend_k, pend_o, pend_base = k, o, addrs[t]
+                pend_k, pend_base = k, addrs[t]
+            else:  # RESTORE: subtract this chunk's update again
+                _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
+                for j in range(k):
+                    add_f32_at(addrs[t], scratch_pos[j], -(a * (w * scratch_val[j])))
             o += k
             cpos += (k + 3) // 4
             c += 1
             done += 1
         if mode == CHECK_APPLY:  # the segment's last chunk
-            _add_logged(pend_base, pend_pos, pend_val, pend_k, pend_o, w, a, undo)
-            applied[s] = pend_o + pend_k
+            n_log[s] = _add_undoable(pend_base, pend_pos, pend_val, pend_k, w, a, log_addr, log_val,
+                                     seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
+            applied[s] = o
             pend_k = 0
+        if mode == RESTORE:  # the values subtraction could not give back
+            for i in range(seg_start[s, 2], seg_start[s, 2] + n_log[s]):
+                store_f32_at(log_addr[i], 0, log_val[i])
+            continue
         if mode in (VALIDATE, CHECK_APPLY) and pos != end:
             result[0], result[1], result[2], result[3] = ERR_SEGMENT_END, t, c, s
             return

@@ -16,6 +16,7 @@ before anything is allocated; violations raise ``FrameError`` naming the problem
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
@@ -204,18 +205,24 @@ class SparseBody:
     kept_off: np.ndarray
     index_dtype: type
     positions: np.ndarray  # in-chunk position of every kept element (uint16), found by VALIDATE
+    ready: np.ndarray      # [True] once VALIDATE has filled positions (CHECK_APPLY does not)
 
     def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0,
-            undo=None, applied=None) -> tuple:
+            log=None, applied=None) -> tuple:
         """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
-        returns the first problem (status, tensor, chunk, segment) or None."""
+        returns the first problem (status, tensor, chunk, segment) or None. log: (addresses,
+        values, per-segment counts) for CHECK_APPLY and RESTORE."""
+        if mode in (decode_kernel.MATERIALIZE, decode_kernel.APPLY) and not self.ready[0]:
+            problem = self.run(decode_kernel.VALIDATE)  # CHECK_APPLY did not keep the positions
+            if problem is not None:  # validated by CHECK_APPLY: cannot happen
+                raise AssertionError(f"validating a checked frame failed: {problem}")
         n_seg = len(self.seg_start)
         ranges = pieces(n_seg, SEGMENTS_PER_TASK) if n_seg else []
         results = np.zeros((len(ranges), 4), dtype=np.int64)
         out_flat = _EMPTY_I64 if out_flat is None else out_flat
         out_val = _EMPTY_F32 if out_val is None else out_val
         addrs = _EMPTY_I64 if addrs is None else addrs
-        undo = _EMPTY_F32 if undo is None else undo
+        log_addr, log_val, n_log = (_EMPTY_I64, _EMPTY_F32, _EMPTY_I64) if log is None else log
         applied = _EMPTY_I64 if applied is None else applied
         w32, a32 = np.float32(w), np.float32(a)
 
@@ -224,10 +231,13 @@ class SparseBody:
                 decode_kernel.decode_segments(mode, self.buf, self.index_len, self.offsets, self.codes, self.levels,
                                               self.per_chunk, self.fixed, self.k_full, self.tile, self.grid,
                                               self.tab_off, self.seg_start, s0, s1, self.positions, out_flat,
-                                              out_val, addrs, w32, a32, undo, applied, results[i])
+                                              out_val, addrs, w32, a32, log_addr, log_val, n_log, applied,
+                                              results[i])
             return run
 
         run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
+        if mode == decode_kernel.VALIDATE:
+            self.ready[0] = True
         bad = [tuple(int(x) for x in r) for r in results if r[0] != kernels.OK]
         return min(bad, key=lambda r: r[3]) if bad else None
 
@@ -445,22 +455,35 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
     index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
     sparse = SparseBody(buf, len(index_raw), _offsets(offsets_raw, len(index_raw)),
                         np.frombuffer(codes_raw, np.uint8), _levels(table_raw), per_chunk, fixed, k_full, tile, grid,
-                        tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16))
+                        tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16),
+                        np.zeros(1, dtype=bool))
     if apply_to is None:
         problem = sparse.run(decode_kernel.VALIDATE)
     else:
         addrs, w, a = apply_to
-        undo = np.empty(kept_off[-1], dtype=np.float32)
+        log = (*_log_buffers(int(kept_off[-1])), np.zeros(len(seg_start), dtype=np.int64))
         applied = seg_start[:, 2].copy()  # nothing applied yet
-        problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, undo=undo, applied=applied)
+        problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, log=log, applied=applied)
         if problem is not None:
-            sparse.run(decode_kernel.RESTORE, addrs=addrs, undo=undo, applied=applied)
+            sparse.run(decode_kernel.RESTORE, addrs=addrs, w=w, a=a, log=log, applied=applied)
     if problem is not None:
         status, t, c, s = problem
         raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c, s=s))
     params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
               "index_coding": "fixed" if fixed else "rice"}
     return Frame("sparse", round_, sender, len(data), layout, params=params, body=sparse)
+
+
+_local = threading.local()
+
+
+def _log_buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread room for n entries of CHECK_APPLY's log (addresses, old values), kept
+    between calls; rarely written, so mostly never touched."""
+    bufs = getattr(_local, "log", None)
+    if bufs is None or len(bufs[0]) < n:
+        bufs = _local.log = (np.empty(max(n, 1024), dtype=np.int64), np.empty(max(n, 1024), dtype=np.float32))
+    return bufs[0][:n], bufs[1][:n]
 
 
 def _levels(table_raw: bytes) -> np.ndarray:
