@@ -468,7 +468,9 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
             sparse.run(decode_kernel.RESTORE, addrs=addrs, w=w, a=a, log=log, applied=applied)
     if problem is not None:
         status, t, c, s = problem
-        raise FrameError(f"tensor {layout.specs[t].name!r}: " + _DECODE_ERRORS[status].format(c=c, s=s))
+        # t is one past the last tensor when the last segment's bytes go on after its last chunk
+        name = layout.specs[min(t, len(layout.specs) - 1)].name
+        raise FrameError(f"tensor {name!r}: " + _DECODE_ERRORS[status].format(c=c, s=s))
     params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
               "index_coding": "fixed" if fixed else "rice"}
     return Frame("sparse", round_, sender, len(data), layout, params=params, body=sparse)

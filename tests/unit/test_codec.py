@@ -322,6 +322,29 @@ def test_index_offsets_are_validated():
         decode_frame(with_offsets([0, offs[2], offs[1], offs[3]]), lay)
 
 
+def test_index_section_with_bytes_past_the_last_chunk_is_refused():
+    """A Rice index section may be shorter than its maximum; bytes after the last chunk's
+    codes (the last segment has fewer than 64 chunks here) are a FrameError, not a crash."""
+    from compression import frame as fr
+
+    lay = Layout([TensorSpec("w", (200, 256), torch.float32)])  # 200 chunks of 16x16: segments of 64, 64, 64, 8
+    data = Compressor(lay, density=1 / 16, tile=16).compress([torch.randn(200, 256)], round=0, sender=0)
+    plans = fr.sparse_plan(lay, 16, 16, True, False)
+    n_seg = len(fr._decode_arrays(lay, 16, 16, True, False)[3])
+    table, codes, index, offsets = fr._read_sections(
+        memoryview(data)[fr.HEADER_BYTES:-4],
+        [("table", sum(p.table_bytes for p in plans), True), ("codes", sum(p.code_bytes for p in plans), True),
+         ("index", sum(p.index_bytes_max for p in plans), False), ("index offsets", 4 * n_seg, True)])
+    longer = fr.write_frame(fr.KIND_SPARSE, fr.TABLE_PER_CHUNK, fr.INDEX_RICE, lay, 0, 0, 16, 16,
+                            [table, codes, index + b"\0", offsets], False)
+    with pytest.raises(FrameError, match="'w': the indices of segment 3 do not end"):
+        decode_frame(longer, lay)
+    params = [torch.zeros(200, 256)]
+    with pytest.raises(FrameError, match="segment 3 do not end"):
+        decode_apply(params, longer, lay)
+    assert not params[0].any()
+
+
 @pytest.mark.parametrize("huge", [False, True])
 def test_single_frame_apply_matches_the_aggregate_bit_for_bit(huge):
     """One sparse frame into fp32 CPU params is applied straight from its sections (no
