@@ -141,14 +141,15 @@ def _cpu_addresses(layout: Layout, params) -> np.ndarray | None:
     param does not qualify (or numba is missing)."""
     if not kernels.HAVE_NUMBA:
         return None
-    addrs = np.zeros(len(params), dtype=np.int64)
-    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
-        if tuple(p.shape) != spec.shape:
+    addrs = []
+    f32 = torch.float32
+    for spec, p in zip(layout.specs, params, strict=False):  # the cheapest tensor attributes there are
+        if p.shape != spec.shape:
             raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
-        if not (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()):
+        if not (p.is_cpu and p.dtype is f32 and p.is_contiguous()):
             return None
-        addrs[j] = p.data_ptr()
-    return addrs
+        addrs.append(p.data_ptr())
+    return np.array(addrs, dtype=np.int64)
 
 
 def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:

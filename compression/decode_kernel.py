@@ -283,6 +283,50 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
     result[0] = OK
 
 
+# prepare() status codes (0 = ok); frame.py turns them into FrameError messages
+OFFSETS_START, OFFSETS_BEYOND, OFFSETS_BACK, LEVELS_BAD, LEVELS_ORDER = 1, 2, 3, 4, 5
+
+
+@njit(cache=True, nogil=True)
+def prepare(table, offsets_raw, index, levels, offsets, buf):
+    """Check a sparse frame's table and offsets sections and bring them, and the index
+    section, into the form decode_segments reads, in one call: levels = the table's
+    bfloat16 (hi, lo) pairs as fp32 (finite, non-negative, hi >= lo); offsets = the u32
+    segment starts (from 0, inside the index section, never decreasing) and then the
+    index length; buf = the index section and INDEX_PAD zero bytes. Returns (status,
+    segment or 0, value, other value): the first problem in the order offsets (start,
+    beyond the section, backwards), then levels."""
+    n_seg = offsets_raw.shape[0] // 4
+    index_len = index.shape[0]
+    for s in range(n_seg):
+        q = 4 * s
+        offsets[s] = (np.int64(offsets_raw[q]) | (np.int64(offsets_raw[q + 1]) << 8)
+                      | (np.int64(offsets_raw[q + 2]) << 16) | (np.int64(offsets_raw[q + 3]) << 24))
+    offsets[n_seg] = index_len
+    if n_seg and offsets[0] != 0:
+        return OFFSETS_START, 0, offsets[0], 0
+    for s in range(n_seg):
+        if offsets[s] > index_len:
+            return OFFSETS_BEYOND, s, offsets[s], index_len
+    for s in range(1, n_seg):
+        if offsets[s] < offsets[s - 1]:
+            return OFFSETS_BACK, s, offsets[s], offsets[s - 1]
+    bits = levels.view(np.uint32)
+    order = OK
+    for j in range(levels.shape[0]):
+        t = np.uint32(table[2 * j]) | (np.uint32(table[2 * j + 1]) << np.uint32(8))
+        if (t >> np.uint32(7)) & np.uint32(0xFF) == np.uint32(0xFF) or t >> np.uint32(15):
+            return LEVELS_BAD, 0, 0, 0
+        bits[j] = t << np.uint32(16)
+        if j & 1 and bits[j - 1] < bits[j]:  # (hi, lo) pairs: non-negative, so bits order as values
+            order = LEVELS_ORDER
+    if order != OK:
+        return order, 0, 0, 0
+    buf[:index_len] = index
+    buf[index_len:] = 0
+    return OK, 0, 0, 0
+
+
 def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
     """seg_start rows (tensor, chunk, first kept element, first code byte) for every
     segment of a layout, from its chunk grid alone."""

@@ -28,7 +28,7 @@ from . import decode_kernel, kernels
 from .bits import fixed_width, rice_param
 from .errors import FrameError
 from .layout import ChunkGrid, Layout, kept_per_chunk
-from .threadpool import pieces, run_tasks
+from .threadpool import pieces, run_tasks, submit
 
 MAGIC = b"GLCF"
 VERSION = 2  # 2: sparse frames carry index offsets per segment of chunks
@@ -328,20 +328,43 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
 
     (_apply_to: (param addresses, weight, alpha) for ``aggregate.decode_apply``: a sparse
     frame's chunks are added into the fp32 params as they check out, and put back bit for
-    bit before FrameError is raised.)"""
+    bit before FrameError is raised. The checksum is then computed on a pool thread beside
+    the parsing and the first chunks; a mismatch puts the params back too, and wins over
+    any other problem, as it does here otherwise.)"""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FrameError(f"frame must be bytes, got {type(data).__name__}")
     data = bytes(data)
-    head = _read_header(data)
-    (_, _, kind, p1, p2, digest, round_, sender, n_tensors, numel, tile, k_full, _) = head
-    _check_layout(layout, digest, n_tensors, numel)
-    body = memoryview(data)[HEADER_BYTES:-_CRC.size]
-    if kind == KIND_DENSE:
-        return _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender)
-    return _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, _apply_to)
+    crc = None
+    if _apply_to is not None and len(data) >= HEADER_BYTES + _CRC.size:
+        crc = submit(lambda: _crc_matches(data), torch.get_num_threads())
+        _apply_to = (*_apply_to, crc)
+    try:
+        head = _read_header(data, check_crc=crc is None)
+        (_, _, kind, p1, p2, digest, round_, sender, n_tensors, numel, tile, k_full, _) = head
+        _check_layout(layout, digest, n_tensors, numel)
+        body = memoryview(data)[HEADER_BYTES:-_CRC.size]
+        if kind == KIND_DENSE:
+            frame = _decode_dense(data, body, layout, p1, p2, tile, k_full, round_, sender)
+        else:
+            frame = _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, _apply_to)
+    except FrameError:
+        if crc is not None and not crc.result():
+            raise FrameError(_CRC_MISMATCH) from None
+        raise
+    if crc is not None and not crc.result():
+        raise FrameError(_CRC_MISMATCH)
+    return frame
 
 
-def _read_header(data: bytes) -> tuple:
+_CRC_MISMATCH = "checksum mismatch: frame corrupted"
+
+
+def _crc_matches(data: bytes) -> bool:
+    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    return zlib.crc32(memoryview(data)[:-_CRC.size]) == crc
+
+
+def _read_header(data: bytes, check_crc: bool = True) -> tuple:
     if len(data) < HEADER_BYTES + _CRC.size:
         raise FrameError(f"frame truncated: {len(data)} bytes, shorter than the {HEADER_BYTES + _CRC.size}-byte header and checksum")
     head = _HEADER.unpack_from(data)
@@ -355,9 +378,8 @@ def _read_header(data: bytes) -> tuple:
         raise FrameError(f"frame truncated: {len(data)} bytes, header says {expected}")
     if len(data) > expected:
         raise FrameError(f"{len(data) - expected} trailing bytes after the frame (concatenated or oversized frame)")
-    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-    if zlib.crc32(memoryview(data)[:-_CRC.size]) != crc:
-        raise FrameError("checksum mismatch: frame corrupted")
+    if check_crc and not _crc_matches(data):
+        raise FrameError(_CRC_MISMATCH)
     if kind not in (KIND_SPARSE, KIND_DENSE):
         raise FrameError(f"unknown frame kind {kind}")
     return head
@@ -372,9 +394,9 @@ def _check_layout(layout: Layout, digest: bytes, n_tensors: int, numel: int) -> 
                          "(tensor names, shapes or dtypes differ)")
 
 
-def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> list[bytes]:
+def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> list[bytes | memoryview]:
     """Read sections named in ``expected`` as (name, length, exact); length is a maximum
-    unless exact."""
+    unless exact. Raw sections come back as views of body, zstd ones as bytes."""
     out, pos = [], 0
     for name, length, exact in expected:
         if len(body) - pos < _SECTION.size:
@@ -393,7 +415,7 @@ def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> l
         if codec == 0:
             if stored_len != raw_len:
                 raise FrameError(f"{name} section: raw section stores {stored_len} bytes, not {raw_len}")
-            out.append(bytes(stored))
+            out.append(stored)  # a view of the frame: no copy
         else:
             out.append(_unzstd(name, stored, raw_len))
     if pos != len(body):
@@ -450,22 +472,27 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
     table_raw, codes_raw, index_raw, offsets_raw = _read_sections(
         body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed),
                ("index offsets", 4 * len(seg_start), True)])
-    buf = np.zeros(len(index_raw) + decode_kernel.INDEX_PAD, dtype=np.uint8)
-    buf[:len(index_raw)] = np.frombuffer(index_raw, dtype=np.uint8)
+    buf = np.empty(len(index_raw) + decode_kernel.INDEX_PAD, dtype=np.uint8)
+    offsets = np.empty(len(seg_start) + 1, dtype=np.int64)
+    levels = np.empty(len(table_raw) // 2, dtype=np.float32)
+    _prepare(np.frombuffer(table_raw, np.uint8), np.frombuffer(offsets_raw, np.uint8),
+             np.frombuffer(index_raw, np.uint8), levels, offsets, buf)
     index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
-    sparse = SparseBody(buf, len(index_raw), _offsets(offsets_raw, len(index_raw)),
-                        np.frombuffer(codes_raw, np.uint8), _levels(table_raw), per_chunk, fixed, k_full, tile, grid,
+    sparse = SparseBody(buf, len(index_raw), offsets,
+                        np.frombuffer(codes_raw, np.uint8), levels, per_chunk, fixed, k_full, tile, grid,
                         tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16),
                         np.zeros(1, dtype=bool))
     if apply_to is None:
         problem = sparse.run(decode_kernel.VALIDATE)
     else:
-        addrs, w, a = apply_to
+        addrs, w, a, crc = apply_to
         log = (*_log_buffers(int(kept_off[-1])), np.zeros(len(seg_start), dtype=np.int64))
         applied = seg_start[:, 2].copy()  # nothing applied yet
         problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, log=log, applied=applied)
-        if problem is not None:
+        if problem is not None or not crc.result():
             sparse.run(decode_kernel.RESTORE, addrs=addrs, w=w, a=a, log=log, applied=applied)
+            if problem is None:
+                raise FrameError(_CRC_MISMATCH)
     if problem is not None:
         status, t, c, s = problem
         # t is one past the last tensor when the last segment's bytes go on after its last chunk
@@ -488,29 +515,18 @@ def _log_buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return bufs[0][:n], bufs[1][:n]
 
 
-def _levels(table_raw: bytes) -> np.ndarray:
-    """The quantizer table as fp32 (hi, lo) pairs, checked: finite, non-negative, hi >= lo."""
-    table = np.frombuffer(table_raw, dtype="<u2").astype(np.uint32)
-    if ((table >> 7) & 0xFF == 0xFF).any() or (table >> 15).any():
-        raise FrameError("quantizer table holds a negative, NaN or Inf level")
-    levels = (table << 16).view(np.float32)
-    if (levels[0::2] < levels[1::2]).any():
-        raise FrameError("quantizer table has a low level above the high level")
-    return levels
+_PREPARE_ERRORS = {
+    decode_kernel.OFFSETS_START: "index offsets start at {v}, not 0",
+    decode_kernel.OFFSETS_BEYOND: "index offset of segment {s} ({v}) lies beyond the index section ({w} bytes)",
+    decode_kernel.OFFSETS_BACK: "index offset of segment {s} ({v}) lies before segment {s1}'s ({w})",
+    decode_kernel.LEVELS_BAD: "quantizer table holds a negative, NaN or Inf level",
+    decode_kernel.LEVELS_ORDER: "quantizer table has a low level above the high level",
+}
 
 
-def _offsets(offsets_raw: bytes, index_len: int) -> np.ndarray:
-    """Segment start offsets plus the index length, checked: from 0, never decreasing,
-    inside the index section."""
-    starts = np.frombuffer(offsets_raw, dtype="<u4").astype(np.int64)
-    if len(starts) and starts[0] != 0:
-        raise FrameError(f"index offsets start at {starts[0]}, not 0")
-    past = np.flatnonzero(starts > index_len)
-    if len(past):
-        s = int(past[0])
-        raise FrameError(f"index offset of segment {s} ({starts[s]}) lies beyond the index section ({index_len} bytes)")
-    drops = np.flatnonzero(np.diff(starts) < 0)
-    if len(drops):
-        s = int(drops[0]) + 1
-        raise FrameError(f"index offset of segment {s} ({starts[s]}) lies before segment {s - 1}'s ({starts[s - 1]})")
-    return np.append(starts, np.int64(index_len))
+def _prepare(table, offsets_raw, index, levels, offsets, buf) -> None:
+    """``decode_kernel.prepare`` (offsets and table checked, the index padded), its
+    problem raised as a FrameError."""
+    status, s, v, w = decode_kernel.prepare(table, offsets_raw, index, levels, offsets, buf)
+    if status != kernels.OK:
+        raise FrameError(_PREPARE_ERRORS[status].format(s=s, s1=s - 1, v=v, w=w))

@@ -336,7 +336,7 @@ def test_index_section_with_bytes_past_the_last_chunk_is_refused():
         [("table", sum(p.table_bytes for p in plans), True), ("codes", sum(p.code_bytes for p in plans), True),
          ("index", sum(p.index_bytes_max for p in plans), False), ("index offsets", 4 * n_seg, True)])
     longer = fr.write_frame(fr.KIND_SPARSE, fr.TABLE_PER_CHUNK, fr.INDEX_RICE, lay, 0, 0, 16, 16,
-                            [table, codes, index + b"\0", offsets], False)
+                            [table, codes, bytes(index) + b"\0", offsets], False)
     with pytest.raises(FrameError, match="'w': the indices of segment 3 do not end"):
         decode_frame(longer, lay)
     params = [torch.zeros(200, 256)]
@@ -406,6 +406,14 @@ def test_decode_apply_puts_everything_back_when_a_later_chunk_is_bad():
         assert torch.equal(params[0], start[0])
         late += 1
     assert late >= 5
+    # the checksum is checked beside the decoding: a frame that decodes but does not match
+    # its checksum is added in, then put back
+    corrupt = bytearray(frame)
+    corrupt[len(frame) // 2] ^= 0x01
+    params = [p.clone() for p in start]
+    with pytest.raises(FrameError, match="checksum mismatch"):
+        decode_apply(params, bytes(corrupt), lay)
+    assert torch.equal(params[0], start[0])
 
 
 def test_on_huge_pages_copies_values_and_shapes():
