@@ -17,6 +17,8 @@ from .intrinsics import (
     add_f32_at,
     ctz,
     f32_bits,
+    fetch_add,
+    load_acquire,
     load_u64,
     prefetch_f32_at,
     store_f32_at,
@@ -39,7 +41,7 @@ from .kernels import (
 )
 
 SEGMENT_CHUNKS = 64  # chunks per segment: the unit of parallel decoding (wire format v2)
-INDEX_PAD = 16       # zero bytes after the index section, so 64-bit loads stay inside
+INDEX_PAD = 16       # readable bytes after the index section, so 64-bit loads stay inside
 WINDOW = 56          # bits a load at any bit offset is sure to hold (64 - 7, rounded down)
 
 
@@ -173,7 +175,7 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
       ``applied[s]`` again, then put the logged values back: the parameters are bit for
       bit as before.
 
-    buf: the index section followed by INDEX_PAD zero bytes; offsets[s]: where segment s
+    buf: the index section followed by INDEX_PAD readable bytes; offsets[s]: where segment s
     starts in it (offsets[-1] == index_len). levels: fp32 (hi, lo) pairs; tab_off[t]:
     tensor t's first pair. grid[t] = (rows, cols, row_tiles, col_tiles). seg_start[s] =
     (tensor, chunk in tensor, first kept element, first code byte) of segment s. result =
@@ -283,21 +285,207 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
     result[0] = OK
 
 
+@njit(cache=True, nogil=True)
+def _rice_pair(buf, pa, ea, pb, eb, n, k, b, out_a, out_b, o):
+    """The Rice codes of two chunks (one in each of two segments) side by side: two
+    independent chains of dependent shifts, which the CPU runs at once. Only the common
+    case: (True, bit positions after each) when every code of both fits in one 64-bit
+    load and lies inside its chunk and segment; else (False, ...) and the caller decodes
+    them one by one. Positions go to out_a/out_b[o:o+k]."""
+    rmask = np.uint64((1 << b) - 1)
+    wmask = np.uint64((1 << WINDOW) - 1)
+    stop = np.uint64(1) << np.uint64(WINDOW)  # a sentinel: ctz is WINDOW when no 1 is in the window
+    prev_a = prev_b = -1
+    bad = False
+    for j in range(k):
+        wa = _read_bits(buf, pa) & wmask
+        wb = _read_bits(buf, pb) & wmask
+        za = np.int64(ctz(wa | stop))
+        zb = np.int64(ctz(wb | stop))
+        xa = prev_a + 1 + (za << b) + np.int64((wa >> np.uint64(za + 1)) & rmask)
+        xb = prev_b + 1 + (zb << b) + np.int64((wb >> np.uint64(zb + 1)) & rmask)
+        pa += za + 1 + b
+        pb += zb + 1 + b
+        bad |= (za + 1 + b > WINDOW) | (zb + 1 + b > WINDOW) | (xa >= n) | (xb >= n) | (pa > ea) | (pb > eb)
+        out_a[o + j] = xa
+        out_b[o + j] = xb
+        prev_a = xa
+        prev_b = xb
+    return not bad, pa, pb
+
+
+@njit(cache=True, nogil=True)
+def _index_tail(status, buf, pos, limit):
+    """After a chunk's index codes: zero bits up to the next byte, still inside the index
+    section. Returns (status, bit position of the next chunk)."""
+    if status == OK and pos & 7:
+        if _read_bits(buf, pos) & np.uint64((1 << (8 - (pos & 7))) - 1):
+            status = ERR_INDEX_PADDING
+        pos = (pos + 7) & ~7
+    if status == OK and pos > limit:
+        status = ERR_INDEX_TRUNCATED
+    return status, pos
+
+
+@njit(cache=True, nogil=True)
+def _decode_run(buf, pos, end, limit, n, k, b, fixed, count, out, o):
+    """Decode the indices of count consecutive chunks (n elements, k kept each) into
+    out[o:o + count*k]. Returns (status, chunks decoded without a problem, bit position)."""
+    for i in range(count):
+        if fixed:
+            status, pos = _fixed_chunk(buf, pos, end, n, k, out, o + i * k)
+        else:
+            status, pos = _rice_chunk(buf, pos, end, n, k, out, o + i * k)
+        status, pos = _index_tail(status, buf, pos, limit)
+        if status != OK:
+            return status, i, pos
+    return OK, count, pos
+
+
+@njit(cache=True, nogil=True)
+def _decode_pair(buf, pa, ea, pb, eb, limit, n, k, b, out_a, out_b):
+    """_decode_run over two segments of SEGMENT_CHUNKS full chunks at once, chunk by chunk
+    with _rice_pair; from the first chunk that is not the common case on, one by one.
+    Returns (status, chunks done, position) for each."""
+    for i in range(SEGMENT_CHUNKS):
+        ok, na, nb = _rice_pair(buf, pa, ea, pb, eb, n, k, b, out_a, out_b, i * k)
+        if ok:
+            sa, na = _index_tail(OK, buf, na, limit)
+            sb, nb = _index_tail(OK, buf, nb, limit)
+            if sa == OK and sb == OK:
+                pa, pb = na, nb
+                continue
+        sa, da, pa = _decode_run(buf, pa, ea, limit, n, k, b, False, SEGMENT_CHUNKS - i, out_a, i * k)
+        sb, db, pb = _decode_run(buf, pb, eb, limit, n, k, b, False, SEGMENT_CHUNKS - i, out_b, i * k)
+        return sa, i + da, pa, sb, i + db, pb
+    return OK, SEGMENT_CHUNKS, pa, OK, SEGMENT_CHUNKS, pb
+
+
+@njit(cache=True, nogil=True)
+def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
+                  tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems, scratch,
+                  lv):
+    """What follows the index decoding of a segment of SEGMENT_CHUNKS full chunks, chunk by
+    chunk: the 2-bit code padding and values, then VALIDATE keeps the positions and
+    CHECK_APPLY adds the chunk in (its lines asked for one chunk ahead). The segment's
+    problem, in the order the checks come one chunk after the other, goes to problems[s].
+    dec: the decoded positions, k per chunk; status, done: how decoding went; scratch:
+    four chunks of room (positions, values, and the pending chunk's)."""
+    size = tile * tile
+    t, c, o, cpos = seg_start[s, 0], seg_start[s, 1], seg_start[s, 2], seg_start[s, 3]
+    sp, pp = scratch[0], scratch[1]
+    sv, pv = scratch[2].view(np.float32)[:size], scratch[3].view(np.float32)[:size]
+    pk = pb = 0
+    for i in range(done + (status != OK)):
+        while c >= n_chunks[t]:  # the next tensor's chunks (empty ones have none)
+            t += 1
+            c = 0
+        if i == done:  # the chunk whose indices failed
+            break
+        ti = tab_off[t] + (2 * c if per_chunk else 0)
+        if not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, sv, 0):
+            status = ERR_CODE_PADDING
+            break
+        if mode == VALIDATE:
+            for j in range(k):
+                positions[o + j] = dec[i * k + j]
+        else:
+            for j in range(k):
+                sp[j] = dec[i * k + j]
+            _to_flat(c, sp, 0, k, grid[t, 0], grid[t, 1], tile, sh, grid[t, 2], grid[t, 3])
+            for j in range(k):
+                prefetch_f32_at(addrs[t], sp[j])
+            n_log[s] = _add_undoable(pb, pp, pv, pk, w, a, log_addr, log_val, seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
+            applied[s] = o
+            sp, pp = pp, sp
+            sv, pv = pv, sv
+            pk, pb = k, addrs[t]
+        o += k
+        cpos += (k + 3) // 4
+        c += 1
+    if mode == CHECK_APPLY:
+        n_log[s] = _add_undoable(pb, pp, pv, pk, w, a, log_addr, log_val, seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
+        applied[s] = o
+    if status == OK and pos != end:
+        status = ERR_SEGMENT_END
+    if status != OK:
+        problems[s, 0], problems[s, 1], problems[s, 2], problems[s, 3] = status, t, c, s
+
+
+@njit(cache=True, nogil=True)
+def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, n_chunks,
+                   tab_off, seg_start, shared, wait, positions, addrs, w, a, log_addr, log_val, n_log, applied,
+                   problems):
+    """VALIDATE or CHECK_APPLY (see ``decode_segments``) over all segments, on as many
+    threads as call it: each takes the next two segments from shared[0] until none are
+    left, counting itself in shared[1] while it works; the call with wait set returns
+    only when no thread is at work any more (spinning, not sleeping: a thread that joins
+    late finds nothing left and is never waited for). Two segments of SEGMENT_CHUNKS full
+    chunks (the usual case) have their indices decoded side by side first
+    (_decode_pair), then the rest chunk by chunk; others go through ``decode_segments``.
+    problems[s] = (status, tensor, chunk, s) of segment s's first problem, status OK
+    when it has none."""
+    n_seg = seg_start.shape[0]
+    size = tile * tile
+    k = _kept(size, k_full, size)
+    b = _rice_param(size, k)
+    limit = index_len * 8
+    dec_a = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
+    dec_b = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
+    scratch = np.empty((4, size), dtype=np.int64)
+    lv = np.empty(4, dtype=np.float32)
+    no_flat = np.empty(0, dtype=np.int64)
+    no_val = np.empty(0, dtype=np.float32)
+    sh = -1
+    if tile & (tile - 1) == 0:
+        sh = 0
+        while (1 << sh) < tile:
+            sh += 1
+    while True:
+        fetch_add(shared, 1, 1)
+        s = fetch_add(shared, 0, 2)
+        if s >= n_seg:
+            fetch_add(shared, 1, -1)
+            break
+        pair = s + 1 < n_seg and seg_start[s, 4] == SEGMENT_CHUNKS and seg_start[s + 1, 4] == SEGMENT_CHUNKS
+        if pair:
+            e_a, e_b = offsets[s + 1] * 8, offsets[s + 2] * 8
+            if fixed:
+                st_a, d_a, p_a = _decode_run(buf, offsets[s] * 8, e_a, limit, size, k, b, True, SEGMENT_CHUNKS, dec_a, 0)
+                st_b, d_b, p_b = _decode_run(buf, offsets[s + 1] * 8, e_b, limit, size, k, b, True, SEGMENT_CHUNKS,
+                                             dec_b, 0)
+            else:
+                st_a, d_a, p_a, st_b, d_b, p_b = _decode_pair(buf, offsets[s] * 8, e_a, offsets[s + 1] * 8, e_b, limit,
+                                                              size, k, b, dec_a, dec_b)
+            _segment_rest(mode, s, st_a, d_a, p_a, e_a, dec_a, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
+                          tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems,
+                          scratch, lv)
+            _segment_rest(mode, s + 1, st_b, d_b, p_b, e_b, dec_b, k, codes, levels, per_chunk, tile, sh, grid,
+                          n_chunks, tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied,
+                          problems, scratch, lv)
+        else:
+            for q in range(s, min(s + 2, n_seg)):
+                decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid,
+                                tab_off, seg_start, q, q + 1, positions, no_flat, no_val, addrs, w, a, log_addr,
+                                log_val, n_log, applied, problems[q])
+        fetch_add(shared, 1, -1)
+    while wait and load_acquire(shared, 1) != 0:
+        pass
+
+
 # prepare() status codes (0 = ok); frame.py turns them into FrameError messages
 OFFSETS_START, OFFSETS_BEYOND, OFFSETS_BACK, LEVELS_BAD, LEVELS_ORDER = 1, 2, 3, 4, 5
 
 
 @njit(cache=True, nogil=True)
-def prepare(table, offsets_raw, index, levels, offsets, buf):
-    """Check a sparse frame's table and offsets sections and bring them, and the index
-    section, into the form decode_segments reads, in one call: levels = the table's
-    bfloat16 (hi, lo) pairs as fp32 (finite, non-negative, hi >= lo); offsets = the u32
-    segment starts (from 0, inside the index section, never decreasing) and then the
-    index length; buf = the index section and INDEX_PAD zero bytes. Returns (status,
-    segment or 0, value, other value): the first problem in the order offsets (start,
-    beyond the section, backwards), then levels."""
+def prepare(table, offsets_raw, index_len, levels, offsets):
+    """Check a sparse frame's table and offsets sections and bring them into the form
+    decode_segments reads, in one call: levels = the table's bfloat16 (hi, lo) pairs as
+    fp32 (finite, non-negative, hi >= lo); offsets = the u32 segment starts (from 0,
+    inside the index section of index_len bytes, never decreasing) and then index_len.
+    Returns (status, segment or 0, value, other value): the first problem in the order
+    offsets (start, beyond the section, backwards), then levels."""
     n_seg = offsets_raw.shape[0] // 4
-    index_len = index.shape[0]
     for s in range(n_seg):
         q = 4 * s
         offsets[s] = (np.int64(offsets_raw[q]) | (np.int64(offsets_raw[q + 1]) << 8)
@@ -320,16 +508,13 @@ def prepare(table, offsets_raw, index, levels, offsets, buf):
         bits[j] = t << np.uint32(16)
         if j & 1 and bits[j - 1] < bits[j]:  # (hi, lo) pairs: non-negative, so bits order as values
             order = LEVELS_ORDER
-    if order != OK:
-        return order, 0, 0, 0
-    buf[:index_len] = index
-    buf[index_len:] = 0
-    return OK, 0, 0, 0
+    return order, 0, 0, 0
 
 
 def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
-    """seg_start rows (tensor, chunk, first kept element, first code byte) for every
-    segment of a layout, from its chunk grid alone."""
+    """seg_start rows (tensor, chunk, first kept element, first code byte, number of chunks
+    when all of them are full-size, else 0) for every segment of a layout, from its chunk
+    grid alone."""
     size = tile * tile
     starts = []
     chunk = kept = code = 0
@@ -339,13 +524,15 @@ def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
         n_chunks = n_tiles + -(-left // size)
         for c in range(n_chunks):
             if chunk % SEGMENT_CHUNKS == 0:
-                starts.append((t, c, kept, code))
+                starts.append([t, c, kept, code, 0])
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
+            starts[-1][4] += 1 if n == size else -SEGMENT_CHUNKS  # stays positive only if all are full
             k = min(n, (k_full * n + size - 1) // size)
             kept += k
             code += (k + 3) // 4
             chunk += 1
-    out = np.array(starts, dtype=np.int64).reshape(-1, 4)
+    out = np.array(starts, dtype=np.int64).reshape(-1, 5)
+    out[:, 4] = np.maximum(out[:, 4], 0)
     out.setflags(write=False)
     return out
 

@@ -105,7 +105,7 @@ def sparse_plan(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: 
 @lru_cache(maxsize=64)
 def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool):
     """(grid rows/cols/row_tiles/col_tiles per tensor, kept offsets, table offsets, segment
-    starts) for ``decode_kernel.decode_segments``, from the layout alone."""
+    starts, chunks per tensor) for ``decode_kernel``, from the layout alone."""
     plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
     grid = np.array([[p.grid.rows, p.grid.cols, p.grid.row_tiles, p.grid.col_tiles] for p in plans],
                     dtype=np.int64).reshape(-1, 4)
@@ -114,9 +114,10 @@ def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixe
     for j, p in enumerate(plans):
         kept_off[j + 1] = kept_off[j] + p.kept
         tab_off[j + 1] = tab_off[j] + p.table_bytes // 2
-    for a in (grid, kept_off, tab_off):
+    n_chunks = np.array([p.grid.n_chunks for p in plans], dtype=np.int64)
+    for a in (grid, kept_off, tab_off, n_chunks):
         a.setflags(write=False)
-    return grid, kept_off, tab_off, decode_kernel.segment_starts(grid, k_full, tile)
+    return grid, kept_off, tab_off, decode_kernel.segment_starts(grid, k_full, tile), n_chunks
 
 
 @lru_cache(maxsize=64)
@@ -190,7 +191,7 @@ def _check_tensors(layout: Layout, tensors) -> None:
 class SparseBody:
     """A validated sparse frame's sections, in the form ``decode_kernel`` reads."""
 
-    buf: np.ndarray        # index section + INDEX_PAD zero bytes
+    buf: np.ndarray        # index section + INDEX_PAD readable bytes (read-only)
     index_len: int
     offsets: np.ndarray    # segment starts in the index section, then its length
     codes: np.ndarray
@@ -200,6 +201,7 @@ class SparseBody:
     k_full: int
     tile: int
     grid: np.ndarray
+    n_chunks: np.ndarray   # per tensor
     tab_off: np.ndarray
     seg_start: np.ndarray
     kept_off: np.ndarray
@@ -208,15 +210,18 @@ class SparseBody:
     ready: np.ndarray      # [True] once VALIDATE has filled positions (CHECK_APPLY does not)
 
     def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0,
-            log=None, applied=None) -> tuple:
+            log=None, applied=None, before=None) -> tuple:
         """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
         returns the first problem (status, tensor, chunk, segment) or None. log: (addresses,
-        values, per-segment counts) for CHECK_APPLY and RESTORE."""
+        values, per-segment counts) for CHECK_APPLY and RESTORE; before: something for the
+        pool thread to do first (VALIDATE and CHECK_APPLY)."""
         if mode in (decode_kernel.MATERIALIZE, decode_kernel.APPLY) and not self.ready[0]:
             problem = self.run(decode_kernel.VALIDATE)  # CHECK_APPLY did not keep the positions
             if problem is not None:  # validated by CHECK_APPLY: cannot happen
                 raise AssertionError(f"validating a checked frame failed: {problem}")
         n_seg = len(self.seg_start)
+        if mode in (decode_kernel.VALIDATE, decode_kernel.CHECK_APPLY):
+            return self._check(mode, addrs, w, a, log, applied, before)
         ranges = pieces(n_seg, SEGMENTS_PER_TASK) if n_seg else []
         results = np.zeros((len(ranges), 4), dtype=np.int64)
         out_flat = _EMPTY_I64 if out_flat is None else out_flat
@@ -236,10 +241,40 @@ class SparseBody:
             return run
 
         run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
-        if mode == decode_kernel.VALIDATE:
-            self.ready[0] = True
         bad = [tuple(int(x) for x in r) for r in results if r[0] != kernels.OK]
         return min(bad, key=lambda r: r[3]) if bad else None
+
+    def _check(self, mode: int, addrs, w: float, a: float, log, applied, before) -> tuple | None:
+        """VALIDATE or CHECK_APPLY: ``decode_kernel.check_segments`` on this thread and on
+        the pool's, sharing out the segments; this thread's call returns once every
+        segment is done, without waiting for a pool thread that had nothing left to do.
+        Returns the first segment's problem, or None."""
+        n_threads = max(1, min(torch.get_num_threads(), -(-len(self.seg_start) // 2)))
+        problems = np.zeros((len(self.seg_start), 4), dtype=np.int64)
+        shared = np.zeros(2, dtype=np.int64)  # next segment, threads at work
+        addrs = _EMPTY_I64 if addrs is None else addrs
+        log_addr, log_val, n_log = (_EMPTY_I64, _EMPTY_F32, _EMPTY_I64) if log is None else log
+        applied = _EMPTY_I64 if applied is None else applied
+        w32, a32 = np.float32(w), np.float32(a)
+
+        def task(wait: bool) -> None:
+            decode_kernel.check_segments(mode, self.buf, self.index_len, self.offsets, self.codes, self.levels,
+                                         self.per_chunk, self.fixed, self.k_full, self.tile, self.grid, self.n_chunks,
+                                         self.tab_off, self.seg_start, shared, wait, self.positions, addrs, w32, a32,
+                                         log_addr, log_val, n_log, applied, problems)
+
+        def pool_task() -> None:
+            if before is not None:
+                before()
+            task(False)
+
+        for _ in range(n_threads - 1):
+            submit(pool_task, n_threads)
+        task(True)
+        if mode == decode_kernel.VALIDATE:
+            self.ready[0] = True
+        bad = np.flatnonzero(problems[:, 0] != kernels.OK)
+        return tuple(int(x) for x in problems[bad[0]]) if len(bad) else None
 
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -336,7 +371,7 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
     data = bytes(data)
     crc = None
     if _apply_to is not None and len(data) >= HEADER_BYTES + _CRC.size:
-        crc = submit(lambda: _crc_matches(data), torch.get_num_threads())
+        crc = _Checksum(data)
         _apply_to = (*_apply_to, crc)
     try:
         head = _read_header(data, check_crc=crc is None)
@@ -357,6 +392,23 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
 
 
 _CRC_MISMATCH = "checksum mismatch: frame corrupted"
+
+
+class _Checksum:
+    """Whether a frame matches its checksum, found once: by a pool thread beside the
+    decoding (``compute``), or by whoever asks first (``result``)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.ok: bool | None = None
+
+    def compute(self) -> None:
+        if self.ok is None:
+            self.ok = _crc_matches(self.data)
+
+    def result(self) -> bool:
+        self.compute()
+        return bool(self.ok)
 
 
 def _crc_matches(data: bytes) -> bool:
@@ -394,9 +446,11 @@ def _check_layout(layout: Layout, digest: bytes, n_tensors: int, numel: int) -> 
                          "(tensor names, shapes or dtypes differ)")
 
 
-def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> list[bytes | memoryview]:
+def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]],
+                   starts: list[int] | None = None) -> list[bytes | memoryview]:
     """Read sections named in ``expected`` as (name, length, exact); length is a maximum
-    unless exact. Raw sections come back as views of body, zstd ones as bytes."""
+    unless exact. Raw sections come back as views of body, zstd ones as bytes; where each
+    one's stored bytes start in body goes to starts."""
     out, pos = [], 0
     for name, length, exact in expected:
         if len(body) - pos < _SECTION.size:
@@ -411,6 +465,8 @@ def _read_sections(body: memoryview, expected: list[tuple[str, int, bool]]) -> l
         if stored_len > len(body) - pos:
             raise FrameError(f"{name} section claims {stored_len} stored bytes, only {len(body) - pos} left")
         stored = body[pos:pos + stored_len]
+        if starts is not None:
+            starts.append(pos)
         pos += stored_len
         if codec == 0:
             if stored_len != raw_len:
@@ -465,22 +521,23 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
         raise FrameError(f"kept per chunk {k_full} outside [1, {tile * tile}]")
     per_chunk, fixed = p1 == TABLE_PER_CHUNK, p2 == INDEX_FIXED
     plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
-    grid, kept_off, tab_off, seg_start = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
+    grid, kept_off, tab_off, seg_start, n_chunks = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
     t_len = sum(p.table_bytes for p in plans)
     c_len = sum(p.code_bytes for p in plans)
     i_len = sum(p.index_bytes_max for p in plans)
+    starts: list[int] = []
     table_raw, codes_raw, index_raw, offsets_raw = _read_sections(
         body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed),
-               ("index offsets", 4 * len(seg_start), True)])
-    buf = np.empty(len(index_raw) + decode_kernel.INDEX_PAD, dtype=np.uint8)
+               ("index offsets", 4 * len(seg_start), True)], starts)
     offsets = np.empty(len(seg_start) + 1, dtype=np.int64)
     levels = np.empty(len(table_raw) // 2, dtype=np.float32)
-    _prepare(np.frombuffer(table_raw, np.uint8), np.frombuffer(offsets_raw, np.uint8),
-             np.frombuffer(index_raw, np.uint8), levels, offsets, buf)
+    _prepare(np.frombuffer(table_raw, np.uint8), np.frombuffer(offsets_raw, np.uint8), len(index_raw), levels,
+             offsets)
+    buf = _index_buffer(data, index_raw, HEADER_BYTES + starts[2])
     index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
     sparse = SparseBody(buf, len(index_raw), offsets,
                         np.frombuffer(codes_raw, np.uint8), levels, per_chunk, fixed, k_full, tile, grid,
-                        tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16),
+                        n_chunks, tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16),
                         np.zeros(1, dtype=bool))
     if apply_to is None:
         problem = sparse.run(decode_kernel.VALIDATE)
@@ -488,7 +545,8 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
         addrs, w, a, crc = apply_to
         log = (*_log_buffers(int(kept_off[-1])), np.zeros(len(seg_start), dtype=np.int64))
         applied = seg_start[:, 2].copy()  # nothing applied yet
-        problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, log=log, applied=applied)
+        problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, log=log, applied=applied,
+                             before=crc.compute)
         if problem is not None or not crc.result():
             sparse.run(decode_kernel.RESTORE, addrs=addrs, w=w, a=a, log=log, applied=applied)
             if problem is None:
@@ -501,6 +559,20 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
     params = {"tile": tile, "k": k_full, "table": "chunk" if per_chunk else "tensor",
               "index_coding": "fixed" if fixed else "rice"}
     return Frame("sparse", round_, sender, len(data), layout, params=params, body=sparse)
+
+
+def _index_buffer(data: bytes, index_raw, at: int) -> np.ndarray:
+    """The index section as decode_kernel reads it, followed by INDEX_PAD readable bytes
+    (its 64-bit loads may reach past the last code; bits past the section are never used
+    but to report a problem). A raw section is read in place: the offsets section and
+    the checksum follow it in the frame. A decompressed one is copied, zeros after it."""
+    n = len(index_raw)
+    if isinstance(index_raw, memoryview) and at + n + decode_kernel.INDEX_PAD <= len(data):
+        return np.frombuffer(data, np.uint8, count=n + decode_kernel.INDEX_PAD, offset=at)
+    buf = np.zeros(n + decode_kernel.INDEX_PAD, dtype=np.uint8)
+    buf[:n] = np.frombuffer(index_raw, np.uint8)
+    buf.setflags(write=False)  # one array type for the kernels either way
+    return buf
 
 
 _local = threading.local()
@@ -524,9 +596,9 @@ _PREPARE_ERRORS = {
 }
 
 
-def _prepare(table, offsets_raw, index, levels, offsets, buf) -> None:
-    """``decode_kernel.prepare`` (offsets and table checked, the index padded), its
-    problem raised as a FrameError."""
-    status, s, v, w = decode_kernel.prepare(table, offsets_raw, index, levels, offsets, buf)
+def _prepare(table, offsets_raw, index_len: int, levels, offsets) -> None:
+    """``decode_kernel.prepare`` (offsets and table checked and converted), its problem
+    raised as a FrameError."""
+    status, s, v, w = decode_kernel.prepare(table, offsets_raw, index_len, levels, offsets)
     if status != kernels.OK:
         raise FrameError(_PREPARE_ERRORS[status].format(s=s, s1=s - 1, v=v, w=w))

@@ -1,8 +1,9 @@
-"""Single machine instructions for the numba kernels (llvmlite intrinsics): bit casts both ways,
-16-wide vector compares, trailing-zero and population counts, unaligned 64-bit loads and
-stores, an 8-wide table row stored with an offset added, and stores and prefetches
-through raw addresses (one kernel call updates many tensors). Numba's own integer typing
-widens and branches where these do not.
+"""Single machine instructions for the numba kernels (llvmlite intrinsics): bit casts both
+ways, 16-wide vector compares, trailing-zero and population counts, unaligned 64-bit loads
+and stores, an 8-wide table row stored with an offset added, loads, stores and prefetches
+through raw addresses (one kernel call updates many tensors), and an atomic add and load
+for threads that share out work. Numba's own integer typing widens and branches where
+these do not.
 
 Without numba, plain-Python equivalents stand in (slow, same results).
 """
@@ -84,6 +85,32 @@ if HAVE_NUMBA:
             return builder.zext(mask, ir.IntType(64))
 
         return types.uint64(arr, i, types.int32), codegen
+
+    @intrinsic
+    def fetch_add(typingctx, arr, i, v):
+        """Atomically add v to arr[i] (int64) and return the value before (acquire and
+        release order): threads share out work and say when they are done through it."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.atomic_rmw("add", builder.gep(data, [args[1]]), args[2], "acq_rel")
+
+        return types.int64(arr, types.intp, types.int64), codegen
+
+    @intrinsic
+    def load_acquire(typingctx, arr, i):
+        """arr[i] of an int64 array as an atomic load with acquire order: a spin loop sees
+        another thread's stores, and what it wrote before them."""
+        if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+            return None
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            return builder.load_atomic(builder.gep(data, [args[1]]), "acquire", 8)
+
+        return types.int64(arr, types.intp), codegen
 
     @intrinsic
     def ctz(typingctx, x):
@@ -233,6 +260,14 @@ else:  # pragma: no cover - exercised only where numba is missing
         if arr.dtype == np.float32:
             keys = keys & 0x7FFFFFFF
         return np.uint64(sum(1 << j for j in range(LANES) if keys[j] >= t))
+
+    def fetch_add(arr, i, v):  # without numba the "threads" take turns (GIL-held Python)
+        old = int(arr[i])
+        arr[i] += v
+        return old
+
+    def load_acquire(arr, i):
+        return int(arr[i])
 
     def ctz(x):
         x = int(x)
