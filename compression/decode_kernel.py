@@ -361,21 +361,21 @@ def _decode_pair(buf, pa, ea, pb, eb, limit, n, k, b, out_a, out_b):
     return OK, SEGMENT_CHUNKS, pa, OK, SEGMENT_CHUNKS, pb
 
 
+PREFETCH_AHEAD = 48  # kept elements between asking for a parameter's cache line and adding to it
+
+
 @njit(cache=True, nogil=True)
 def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
-                  tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems, scratch,
-                  lv):
-    """What follows the index decoding of a segment of SEGMENT_CHUNKS full chunks, chunk by
-    chunk: the 2-bit code padding and values, then VALIDATE keeps the positions and
-    CHECK_APPLY adds the chunk in (its lines asked for one chunk ahead). The segment's
-    problem, in the order the checks come one chunk after the other, goes to problems[s].
-    dec: the decoded positions, k per chunk; status, done: how decoding went; scratch:
-    four chunks of room (positions, values, and the pending chunk's)."""
-    size = tile * tile
+                  tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems, where,
+                  vals, lv):
+    """What follows the index decoding of a segment of SEGMENT_CHUNKS full chunks: chunk by
+    chunk the 2-bit code padding and values, VALIDATE keeping the positions; then
+    CHECK_APPLY adds the chunks that checked out in, element by element, asking for each
+    parameter's cache line PREFETCH_AHEAD elements ahead. The segment's problem, in the
+    order the checks come one chunk after the other, goes to problems[s]. dec: the
+    decoded positions, k per chunk; status, done: how decoding went; where (int64) and
+    vals (fp32): room for the segment's kept elements."""
     t, c, o, cpos = seg_start[s, 0], seg_start[s, 1], seg_start[s, 2], seg_start[s, 3]
-    sp, pp = scratch[0], scratch[1]
-    sv, pv = scratch[2].view(np.float32)[:size], scratch[3].view(np.float32)[:size]
-    pk = pb = 0
     for i in range(done + (status != OK)):
         while c >= n_chunks[t]:  # the next tensor's chunks (empty ones have none)
             t += 1
@@ -383,28 +383,36 @@ def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_ch
         if i == done:  # the chunk whose indices failed
             break
         ti = tab_off[t] + (2 * c if per_chunk else 0)
-        if not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, sv, 0):
+        if not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, vals, i * k):
             status = ERR_CODE_PADDING
             break
         if mode == VALIDATE:
             for j in range(k):
                 positions[o + j] = dec[i * k + j]
-        else:
+        else:  # the parameter's address of each kept element
             for j in range(k):
-                sp[j] = dec[i * k + j]
-            _to_flat(c, sp, 0, k, grid[t, 0], grid[t, 1], tile, sh, grid[t, 2], grid[t, 3])
-            for j in range(k):
-                prefetch_f32_at(addrs[t], sp[j])
-            n_log[s] = _add_undoable(pb, pp, pv, pk, w, a, log_addr, log_val, seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
-            applied[s] = o
-            sp, pp = pp, sp
-            sv, pv = pv, sv
-            pk, pb = k, addrs[t]
+                where[i * k + j] = dec[i * k + j]
+            _to_flat(c, where, i * k, k, grid[t, 0], grid[t, 1], tile, sh, grid[t, 2], grid[t, 3])
+            for j in range(i * k, i * k + k):
+                where[j] = addrs[t] + 4 * where[j]
         o += k
         cpos += (k + 3) // 4
         c += 1
     if mode == CHECK_APPLY:
-        n_log[s] = _add_undoable(pb, pp, pv, pk, w, a, log_addr, log_val, seg_start[s, 2] + n_log[s]) - seg_start[s, 2]
+        m = o - seg_start[s, 2]  # the elements that checked out
+        for j in range(min(m, PREFETCH_AHEAD)):
+            prefetch_f32_at(where[j], 0)
+        at = seg_start[s, 2] + n_log[s]
+        for j in range(m):
+            if j + PREFETCH_AHEAD < m:
+                prefetch_f32_at(where[j + PREFETCH_AHEAD], 0)
+            d = a * (w * vals[j])
+            old = swap_add_f32_at(where[j], 0, d)
+            if f32_bits((old + d) - d) != f32_bits(old):  # rare: see _add_undoable
+                log_addr[at] = where[j]
+                log_val[at] = old
+                at += 1
+        n_log[s] = at - seg_start[s, 2]
         applied[s] = o
     if status == OK and pos != end:
         status = ERR_SEGMENT_END
@@ -432,7 +440,8 @@ def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixe
     limit = index_len * 8
     dec_a = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
     dec_b = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
-    scratch = np.empty((4, size), dtype=np.int64)
+    where = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
+    vals = np.empty(SEGMENT_CHUNKS * k, dtype=np.float32)
     lv = np.empty(4, dtype=np.float32)
     no_flat = np.empty(0, dtype=np.int64)
     no_val = np.empty(0, dtype=np.float32)
@@ -459,10 +468,10 @@ def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixe
                                                               size, k, b, dec_a, dec_b)
             _segment_rest(mode, s, st_a, d_a, p_a, e_a, dec_a, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
                           tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems,
-                          scratch, lv)
+                          where, vals, lv)
             _segment_rest(mode, s + 1, st_b, d_b, p_b, e_b, dec_b, k, codes, levels, per_chunk, tile, sh, grid,
                           n_chunks, tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied,
-                          problems, scratch, lv)
+                          problems, where, vals, lv)
         else:
             for q in range(s, min(s + 2, n_seg)):
                 decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid,
@@ -471,6 +480,17 @@ def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixe
         fetch_add(shared, 1, -1)
     while wait and load_acquire(shared, 1) != 0:
         pass
+
+
+@njit(cache=True, nogil=True)
+def wait_flag(flag, polls):
+    """Poll flag[0] (outside the GIL) until it is nonzero, at most polls times; returns it
+    (0 when the polls ran out)."""
+    for _ in range(polls):
+        v = load_acquire(flag, 0)
+        if v != 0:
+            return v
+    return 0
 
 
 # prepare() status codes (0 = ok); frame.py turns them into FrameError messages

@@ -210,18 +210,18 @@ class SparseBody:
     ready: np.ndarray      # [True] once VALIDATE has filled positions (CHECK_APPLY does not)
 
     def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0,
-            log=None, applied=None, before=None) -> tuple:
+            log=None, applied=None, helper=None) -> tuple:
         """Run ``decode_kernel.decode_segments`` over all segments on the codec threads;
         returns the first problem (status, tensor, chunk, segment) or None. log: (addresses,
-        values, per-segment counts) for CHECK_APPLY and RESTORE; before: something for the
-        pool thread to do first (VALIDATE and CHECK_APPLY)."""
+        values, per-segment counts) for CHECK_APPLY and RESTORE; helper: a waiting pool
+        thread (``_Helper``) to take one thread's share (VALIDATE and CHECK_APPLY)."""
         if mode in (decode_kernel.MATERIALIZE, decode_kernel.APPLY) and not self.ready[0]:
             problem = self.run(decode_kernel.VALIDATE)  # CHECK_APPLY did not keep the positions
             if problem is not None:  # validated by CHECK_APPLY: cannot happen
                 raise AssertionError(f"validating a checked frame failed: {problem}")
         n_seg = len(self.seg_start)
         if mode in (decode_kernel.VALIDATE, decode_kernel.CHECK_APPLY):
-            return self._check(mode, addrs, w, a, log, applied, before)
+            return self._check(mode, addrs, w, a, log, applied, helper)
         ranges = pieces(n_seg, SEGMENTS_PER_TASK) if n_seg else []
         results = np.zeros((len(ranges), 4), dtype=np.int64)
         out_flat = _EMPTY_I64 if out_flat is None else out_flat
@@ -244,7 +244,7 @@ class SparseBody:
         bad = [tuple(int(x) for x in r) for r in results if r[0] != kernels.OK]
         return min(bad, key=lambda r: r[3]) if bad else None
 
-    def _check(self, mode: int, addrs, w: float, a: float, log, applied, before) -> tuple | None:
+    def _check(self, mode: int, addrs, w: float, a: float, log, applied, helper) -> tuple | None:
         """VALIDATE or CHECK_APPLY: ``decode_kernel.check_segments`` on this thread and on
         the pool's, sharing out the segments; this thread's call returns once every
         segment is done, without waiting for a pool thread that had nothing left to do.
@@ -263,13 +263,11 @@ class SparseBody:
                                          self.tab_off, self.seg_start, shared, wait, self.positions, addrs, w32, a32,
                                          log_addr, log_val, n_log, applied, problems)
 
-        def pool_task() -> None:
-            if before is not None:
-                before()
-            task(False)
-
-        for _ in range(n_threads - 1):
-            submit(pool_task, n_threads)
+        others = n_threads - 1
+        if others and helper is not None and helper.hand(lambda: task(False)):
+            others -= 1
+        for _ in range(others):
+            submit(lambda: task(False), n_threads)
         task(True)
         if mode == decode_kernel.VALIDATE:
             self.ready[0] = True
@@ -371,7 +369,7 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
     data = bytes(data)
     crc = None
     if _apply_to is not None and len(data) >= HEADER_BYTES + _CRC.size:
-        crc = _Checksum(data)
+        crc = _Helper(data, torch.get_num_threads())
         _apply_to = (*_apply_to, crc)
     try:
         head = _read_header(data, check_crc=crc is None)
@@ -386,6 +384,9 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
         if crc is not None and not crc.result():
             raise FrameError(_CRC_MISMATCH) from None
         raise
+    finally:
+        if crc is not None:
+            crc.release()
     if crc is not None and not crc.result():
         raise FrameError(_CRC_MISMATCH)
     return frame
@@ -394,13 +395,29 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
 _CRC_MISMATCH = "checksum mismatch: frame corrupted"
 
 
-class _Checksum:
-    """Whether a frame matches its checksum, found once: by a pool thread beside the
-    decoding (``compute``), or by whoever asks first (``result``)."""
+class _Helper:
+    """A pool thread taken at the top of ``decode_apply``: it checks the frame's checksum
+    while the caller reads the frame, then waits (spinning outside the GIL, for about a
+    millisecond at most) to be handed its share of the checking and adding, so that
+    neither its wake-up nor the checksum is on the way. ``result`` is the checksum's
+    verdict (computed here if the helper has not got to it)."""
 
-    def __init__(self, data: bytes) -> None:
+    GO, STOP = 1, 2
+    POLLS = 2_000_000
+
+    def __init__(self, data: bytes, n_threads: int) -> None:
         self.data = data
         self.ok: bool | None = None
+        self.flag = np.zeros(1, dtype=np.int64)
+        self.work = None
+        self.running = n_threads > 1
+        if self.running:
+            submit(self._run, n_threads)
+
+    def _run(self) -> None:
+        self.compute()
+        if decode_kernel.wait_flag(self.flag, self.POLLS) == self.GO and self.work is not None:
+            self.work()
 
     def compute(self) -> None:
         if self.ok is None:
@@ -409,6 +426,18 @@ class _Checksum:
     def result(self) -> bool:
         self.compute()
         return bool(self.ok)
+
+    def hand(self, work) -> bool:
+        """Give the helper work (False when there is no helper thread)."""
+        if not self.running:
+            return False
+        self.work = work
+        self.flag[0] = self.GO
+        return True
+
+    def release(self) -> None:
+        if self.flag[0] == 0:
+            self.flag[0] = self.STOP
 
 
 def _crc_matches(data: bytes) -> bool:
@@ -546,7 +575,7 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
         log = (*_log_buffers(int(kept_off[-1])), np.zeros(len(seg_start), dtype=np.int64))
         applied = seg_start[:, 2].copy()  # nothing applied yet
         problem = sparse.run(decode_kernel.CHECK_APPLY, addrs=addrs, w=w, a=a, log=log, applied=applied,
-                             before=crc.compute)
+                             helper=crc)
         if problem is not None or not crc.result():
             sparse.run(decode_kernel.RESTORE, addrs=addrs, w=w, a=a, log=log, applied=applied)
             if problem is None:
