@@ -73,6 +73,7 @@ class Compressor:
         self._grids = [ChunkGrid.of(s.shape, tile) for s in layout.specs]
         self.error: list[torch.Tensor] | None = None
         self._spare: list[torch.Tensor] | None = None  # the CPU kernel writes the next state here
+        self._plans: list[tuple] | None = None  # the CPU kernel's output arrays, reused call after call
 
     # -- state --------------------------------------------------------------------------
 
@@ -122,9 +123,12 @@ class Compressor:
             arrays = [f.contiguous().numpy() for f in flat]
             if self._spare is None:
                 self._spare = [torch.empty_like(e) for e in self.error]
+            if self._plans is None:
+                self._plans = cpu_encoder.make_plans([self._grids[j] for j in live], self.k, per_chunk)
             tables, codes, index, chunk_bytes, over = cpu_encoder.encode(
                 [self.error[j] for j in live], arrays, [self._spare[j] for j in live],
-                [self._grids[j] for j in live], self.beta, self.k, per_chunk, fixed, torch.get_num_threads())
+                [self._grids[j] for j in live], self.beta, self.k, per_chunk, fixed, torch.get_num_threads(),
+                self._plans)
             if over is not None:
                 over = cpu_encoder.first_nonfinite(arrays, torch.get_num_threads()), over
         else:

@@ -47,14 +47,21 @@ def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
     return next((j for j, b in enumerate(bad) if b), None)
 
 
+def make_plans(grids: list[ChunkGrid], k_full: int, per_chunk: bool) -> list[tuple]:
+    """Per tensor, the work units and output arrays of ``encode``; a compressor keeps them
+    from call to call (every output is rewritten by each call)."""
+    return [encode_kernel.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
+            for g in grids]
+
+
 def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], spare: list[torch.Tensor], grids: list[ChunkGrid],
-           beta: float, k_full: int, per_chunk: bool, fixed: bool, n_threads: int) -> tuple[list, list, list, list, int | None]:
+           beta: float, k_full: int, per_chunk: bool, fixed: bool, n_threads: int,
+           plans: list[tuple] | None = None) -> tuple[list, list, list, list, int | None]:
     """(tables, codes, indices, index bytes per chunk, index of the first tensor holding
     NaN or Inf or None), one entry per tensor. The new error feedback goes to ``spare``;
-    ``errors`` are only read."""
+    ``errors`` are only read. plans: from ``make_plans`` (made here when None)."""
     beta32 = np.float32(beta)
-    plans = [encode_kernel.encode_plan(g.rows, g.cols, g.tile, g.row_tiles, g.col_tiles, k_full, per_chunk)
-             for g in grids]
+    plans = make_plans(grids, k_full, per_chunk) if plans is None else plans
     prevs = [e.numpy() for e in errors]
     es = [e.numpy() for e in spare]
     tasks = []

@@ -382,7 +382,8 @@ def _finish_chunk(c, n, k, arr, base, stride, shift, cand, found, e, vals, flats
 
 @njit(cache=True, nogil=True)
 def encode_plan(rows, cols, tile, row_tiles, col_tiles, k_full, per_chunk):
-    """Per-tensor output arrays and the number of work units (see ``encode_units``). The
+    """Per-tensor output arrays and the number of work units (see ``encode_units``, which
+    rewrites every one of them, ``bad`` included, so they can serve call after call). The
     kept values and flat indices are kept for the whole tensor only with a table per
     tensor (its levels need every chunk first)."""
     size = tile * tile
@@ -468,11 +469,10 @@ def encode_units(prev, d, beta, e, rows, cols, tile, row_tiles, col_tiles, k_ful
                 _topk(e, base, cols, tile, shift, size, kc[c], segmax, (tc - tc0) * tile * spr, spr,
                       hint, cand, keys, tmp, found)
                 hint = max(np.int32(0), found[1] - HINT_MARGIN)
-                if found[0] >= INF or not _finish_chunk(
-                        c, size, kc[c], e, base, cols, shift, cand, found, e, vals, flats,
-                        0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
-                        row_tiles, col_tiles, per_chunk, fixed, keys):
-                    bad[c] = 1
+                bad[c] = found[0] >= INF or not _finish_chunk(
+                    c, size, kc[c], e, base, cols, shift, cand, found, e, vals, flats,
+                    0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
+                    row_tiles, col_tiles, per_chunk, fixed, keys)
         else:
             c = n_tiles + u - row_tiles * gpb
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
@@ -490,11 +490,10 @@ def encode_units(prev, d, beta, e, rows, cols, tile, row_tiles, col_tiles, k_ful
                 _segmax_flat(gbuf, n, tile, spr, segmax)
                 arr, base = gbuf, 0
             _topk(arr, base, tile, tile, shift, n, kc[c], segmax, 0, spr, np.int32(0), cand, keys, tmp, found)
-            if found[0] >= INF or not _finish_chunk(
-                    c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats,
-                    0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
-                    row_tiles, col_tiles, per_chunk, fixed, keys):
-                bad[c] = 1
+            bad[c] = found[0] >= INF or not _finish_chunk(
+                c, n, kc[c], arr, base, tile, shift, cand, found, e, vals, flats,
+                0 if per_chunk else koff[c], codes, coff[c], table, nbits, islot, rows, cols, tile,
+                row_tiles, col_tiles, per_chunk, fixed, keys)
 
 
 @njit(cache=True, nogil=True)

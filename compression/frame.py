@@ -20,6 +20,7 @@ import threading
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -102,10 +103,24 @@ def sparse_plan(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: 
     return tuple(plans)
 
 
+class _Geometry(NamedTuple):
+    """What decoding a sparse frame needs from the layout alone (computed once per layout
+    and codec parameters)."""
+
+    grid: np.ndarray      # rows, cols, row_tiles, col_tiles per tensor
+    kept_off: np.ndarray  # first kept element of each tensor, then the total
+    tab_off: np.ndarray   # first table pair of each tensor
+    seg_start: np.ndarray  # decode_kernel.segment_starts
+    n_chunks: np.ndarray  # chunks per tensor
+    table_bytes: int
+    code_bytes: int
+    index_bytes_max: int
+    index_dtype: type     # of flat indices: int32 where every tensor allows
+
+
 @lru_cache(maxsize=64)
-def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool):
-    """(grid rows/cols/row_tiles/col_tiles per tensor, kept offsets, table offsets, segment
-    starts, chunks per tensor) for ``decode_kernel``, from the layout alone."""
+def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool) -> _Geometry:
+    """The layout's ``_Geometry`` for these codec parameters."""
     plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
     grid = np.array([[p.grid.rows, p.grid.cols, p.grid.row_tiles, p.grid.col_tiles] for p in plans],
                     dtype=np.int64).reshape(-1, 4)
@@ -117,7 +132,10 @@ def _decode_arrays(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixe
     n_chunks = np.array([p.grid.n_chunks for p in plans], dtype=np.int64)
     for a in (grid, kept_off, tab_off, n_chunks):
         a.setflags(write=False)
-    return grid, kept_off, tab_off, decode_kernel.segment_starts(grid, k_full, tile), n_chunks
+    index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
+    return _Geometry(grid, kept_off, tab_off, decode_kernel.segment_starts(grid, k_full, tile), n_chunks,
+                     sum(p.table_bytes for p in plans), sum(p.code_bytes for p in plans),
+                     sum(p.index_bytes_max for p in plans), index_dtype)
 
 
 @lru_cache(maxsize=64)
@@ -187,7 +205,7 @@ def _check_tensors(layout: Layout, tensors) -> None:
 # ----------------------------------------------------------------------------- reading
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class SparseBody:
     """A validated sparse frame's sections, in the form ``decode_kernel`` reads."""
 
@@ -549,25 +567,21 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
     if not 1 <= k_full <= tile * tile:
         raise FrameError(f"kept per chunk {k_full} outside [1, {tile * tile}]")
     per_chunk, fixed = p1 == TABLE_PER_CHUNK, p2 == INDEX_FIXED
-    plans = sparse_plan(layout, tile, k_full, per_chunk, fixed)
-    grid, kept_off, tab_off, seg_start, n_chunks = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
-    t_len = sum(p.table_bytes for p in plans)
-    c_len = sum(p.code_bytes for p in plans)
-    i_len = sum(p.index_bytes_max for p in plans)
+    geo = _decode_arrays(layout, tile, k_full, per_chunk, fixed)
+    grid, kept_off, tab_off, seg_start, n_chunks = geo.grid, geo.kept_off, geo.tab_off, geo.seg_start, geo.n_chunks
     starts: list[int] = []
     table_raw, codes_raw, index_raw, offsets_raw = _read_sections(
-        body, [("table", t_len, True), ("codes", c_len, True), ("index", i_len, fixed),
+        body, [("table", geo.table_bytes, True), ("codes", geo.code_bytes, True), ("index", geo.index_bytes_max, fixed),
                ("index offsets", 4 * len(seg_start), True)], starts)
     offsets = np.empty(len(seg_start) + 1, dtype=np.int64)
     levels = np.empty(len(table_raw) // 2, dtype=np.float32)
     _prepare(np.frombuffer(table_raw, np.uint8), np.frombuffer(offsets_raw, np.uint8), len(index_raw), levels,
              offsets)
     buf = _index_buffer(data, index_raw, HEADER_BYTES + starts[2])
-    index_dtype = np.int32 if max(layout_sizes(layout), default=0) < 2**31 else np.int64
     sparse = SparseBody(buf, len(index_raw), offsets,
                         np.frombuffer(codes_raw, np.uint8), levels, per_chunk, fixed, k_full, tile, grid,
-                        n_chunks, tab_off, seg_start, kept_off, index_dtype, np.empty(kept_off[-1], dtype=np.uint16),
-                        np.zeros(1, dtype=bool))
+                        n_chunks, tab_off, seg_start, kept_off, geo.index_dtype,
+                        np.empty(kept_off[-1], dtype=np.uint16), np.zeros(1, dtype=bool))
     if apply_to is None:
         problem = sparse.run(decode_kernel.VALIDATE)
     else:
