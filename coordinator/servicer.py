@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -157,16 +158,25 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         record = self._authenticate(request.worker_id, request.session, context)
         worker = record.worker_id
         sub, backlog = self.core.subscribe(worker, request.from_round)
-        context.add_callback(lambda: sub.put(None))
+        last_sent = threading.Event()  # the finished run's last message is on its way
+
+        def on_end() -> None:
+            sub.put(None)
+            # a worker that got the last message may hang up before gRPC asks this stream
+            # for more, and then it never resumes: the end of the call says it instead
+            if last_sent.is_set():
+                self.core.mark_finish_delivered(worker)
+
+        context.add_callback(on_end)
         log.info("worker %d follows rounds from %d (%d held results replayed)", worker,
                  request.from_round, len(backlog))
         try:
-            yield from self._follow(worker, sub, backlog, context)
+            yield from self._follow(worker, sub, backlog, context, last_sent)
         finally:
             self.core.unsubscribe(worker, sub)
 
     def _follow(self, worker: int, sub: queue.Queue, backlog: list[ClosedRound],
-                context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
+                context: grpc.ServicerContext, last_sent: threading.Event) -> Iterator[pb.RoundUpdate]:
         pending = deque(backlog)
         while context.is_active():
             if pending:
@@ -179,16 +189,17 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                     continue
             if closed is None:
                 return
-            yield from self._round_messages(worker, closed, context)
+            yield from self._round_messages(worker, closed, context, last_sent)
             if closed.finished:
                 _await_hang_up(context, self.core.cfg.coordinator.deadline_s)
                 self.core.mark_finish_delivered(worker)
                 return
 
-    def _round_messages(self, worker: int, closed: ClosedRound,
-                        context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
+    def _round_messages(self, worker: int, closed: ClosedRound, context: grpc.ServicerContext,
+                        last_sent: threading.Event) -> Iterator[pb.RoundUpdate]:
         """Header, frame data cut at frame boundaries (a worker decodes each frame while the
-        next one travels), then the digest, waited for only after the data is out."""
+        next one travels), then the digest, waited for only after the data is out; for the
+        run's last round, last_sent is set as the digest goes."""
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.core.task_for(worker, closed.round + 1))
@@ -200,6 +211,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             start += info.nbytes
         digest = _await_digest(closed, context)
         if digest is not None:
+            if closed.finished:
+                last_sent.set()
             yield pb.RoundUpdate(digest=pb.RoundDigest(round=closed.round, digest=digest))
 
     def _authenticate(self, worker_id: int, session: str,

@@ -108,6 +108,19 @@ def test_nonfinite_delta_raises_before_state_changes(bad):
     assert all(torch.equal(a, b) for a, b in zip(state, c.error, strict=False))
 
 
+def test_error_feedback_overflow_raises_and_keeps_the_state():
+    """Finite deltas whose error feedback overflows to Inf are refused too; on the CPU the
+    state is left as it was (the new error feedback goes to spare buffers)."""
+    c = Compressor(LAYOUT, density=1 / 16, tile=16)
+    huge = [torch.full(s.shape, 3e38) for s in SPECS]
+    c.compress(huge, round=0, sender=0)  # e ~ 3e38 minus what was sent
+    state = [e.clone() for e in c.error]
+    with pytest.raises(ValueError, match="error feedback for 'w' overflowed to Inf"):
+        c.compress(huge, round=1, sender=0)
+    assert all(torch.equal(a, b) for a, b in zip(state, c.error, strict=True))
+    c.compress(deltas(1), round=1, sender=0)  # and it goes on
+
+
 def test_wrong_shapes_or_count_raise():
     c = Compressor(LAYOUT)
     with pytest.raises(ValueError, match="expected 6 tensors"):
