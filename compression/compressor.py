@@ -74,6 +74,7 @@ class Compressor:
         self.error: list[torch.Tensor] | None = None
         self._spare: list[torch.Tensor] | None = None  # the CPU kernel writes the next state here
         self._plans: list[tuple] | None = None  # the CPU kernel's output arrays, reused call after call
+        self._views: dict[int, np.ndarray] = {}  # numpy views of the CPU error buffers, by id
 
     # -- state --------------------------------------------------------------------------
 
@@ -81,6 +82,13 @@ class Compressor:
         if self.error is None:
             dev = self.device or device
             self.error = [torch.zeros(s.numel, dtype=torch.float32, device=dev) for s in self.layout.specs]
+
+    def _numpy(self, t: torch.Tensor) -> np.ndarray:
+        """t.numpy() for one of this compressor's own CPU buffers, made once."""
+        view = self._views.get(id(t))
+        if view is None:
+            view = self._views[id(t)] = t.numpy()
+        return view
 
     def state_dict(self) -> dict:
         return {"error_feedback": [e.clone() for e in self.error] if self.error is not None else None,
@@ -91,6 +99,7 @@ class Compressor:
             raise ValueError("error-feedback state was saved for another layout")
         ef = d["error_feedback"]
         self._spare = None
+        self._views = {}
         if ef is None:
             self.error = None
             return
@@ -114,7 +123,7 @@ class Compressor:
         live = [j for j, s in enumerate(self.layout.specs) if s.numel]
         flat = [deltas[j].detach().reshape(-1).to(device=self.error[j].device, dtype=torch.float32)
                 for j in live]
-        kernel = self.use_kernel and all(self.error[j].device.type == "cpu" for j in live)
+        kernel = self.use_kernel and self.error[live[0]].is_cpu if live else False  # all on one device
         per_chunk = self.table == "chunk"
         fixed = self.index_coding == "fixed"
         if kernel:
@@ -126,7 +135,7 @@ class Compressor:
             if self._plans is None:
                 self._plans = cpu_encoder.make_plans([self._grids[j] for j in live], self.k, per_chunk)
             tables, codes, index, chunk_bytes, over = cpu_encoder.encode(
-                [self.error[j] for j in live], arrays, [self._spare[j] for j in live],
+                [self._numpy(self.error[j]) for j in live], arrays, [self._numpy(self._spare[j]) for j in live],
                 [self._grids[j] for j in live], self.beta, self.k, per_chunk, fixed, torch.get_num_threads(),
                 self._plans)
             if over is not None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
 
 from . import encode_kernel, kernels
 from .layout import ChunkGrid
@@ -54,7 +53,7 @@ def make_plans(grids: list[ChunkGrid], k_full: int, per_chunk: bool) -> list[tup
             for g in grids]
 
 
-def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], spare: list[torch.Tensor], grids: list[ChunkGrid],
+def encode(errors: list[np.ndarray], deltas: list[np.ndarray], spare: list[np.ndarray], grids: list[ChunkGrid],
            beta: float, k_full: int, per_chunk: bool, fixed: bool, n_threads: int,
            plans: list[tuple] | None = None) -> tuple[list, list, list, list, int | None]:
     """(tables, codes, indices, index bytes per chunk, index of the first tensor holding
@@ -62,8 +61,7 @@ def encode(errors: list[torch.Tensor], deltas: list[np.ndarray], spare: list[tor
     ``errors`` are only read. plans: from ``make_plans`` (made here when None)."""
     beta32 = np.float32(beta)
     plans = make_plans(grids, k_full, per_chunk) if plans is None else plans
-    prevs = [e.numpy() for e in errors]
-    es = [e.numpy() for e in spare]
+    prevs, es = errors, spare
     tasks = []
     for j, (g, plan) in enumerate(zip(grids, plans, strict=False)):
         n_units = plan[0]
