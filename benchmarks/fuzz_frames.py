@@ -3,7 +3,10 @@
 Mutates valid sparse and dense frames (bit flips, byte overwrites, truncation, extension,
 concatenation, splices, header-field rewrites), half of them with the checksum and length
 fields repaired so that the structural validation is reached, and decodes each. Every
-outcome must be a clean decode or a FrameError; anything else is a crash.
+outcome must be a clean decode or a FrameError; anything else is a crash. Each frame also
+goes through ``decode_apply`` into fp32 parameters: it must raise the same FrameError and
+leave them bit for bit as they were, or add exactly what ``decode_frame`` +
+``apply_frames`` add; a difference counts as a crash too.
 
     python -m benchmarks.fuzz_frames --count 100000 --seed 0
 
@@ -23,7 +26,16 @@ import zlib
 
 import torch
 
-from compression import Compressor, FrameError, Layout, TensorSpec, decode_frame, encode_dense
+from compression import (
+    Compressor,
+    FrameError,
+    Layout,
+    TensorSpec,
+    apply_frames,
+    decode_apply,
+    decode_frame,
+    encode_dense,
+)
 from compression.frame import HEADER_BYTES
 
 FUZZ_SPECS = [
@@ -107,11 +119,33 @@ def check_accepted(frame, layout: Layout) -> None:
     frame.to_dense()
 
 
+def check_apply(data: bytes, layout: Layout, start: list[torch.Tensor], frame, error: str | None) -> None:
+    """decode_apply on the same bytes: the same error with the parameters untouched, or
+    the same parameters as decode_frame + apply_frames."""
+    params = [p.clone() for p in start]
+    try:
+        decode_apply(params, data, layout, weight=0.5, alpha=-0.25)
+    except FrameError as exc:
+        if error != str(exc):
+            raise AssertionError(f"decode_apply raised {exc!r}, decode_frame {error!r}") from None
+        if not all(torch.equal(a, b) for a, b in zip(params, start, strict=True)):
+            raise AssertionError(f"decode_apply changed the parameters before raising {exc!r}") from None
+        return
+    if error is not None:
+        raise AssertionError(f"decode_apply took a frame decode_frame refused: {error}")
+    want = [p.clone() for p in start]
+    apply_frames(want, [frame], [0.5], alpha=-0.25)
+    if not all(torch.equal(a, b) for a, b in zip(params, want, strict=True)):
+        raise AssertionError("decode_apply added something else than decode_frame + apply_frames")
+
+
 def run(count: int, seed: int) -> dict:
     layout = Layout(FUZZ_SPECS)
     frames = seed_frames(layout)
     for f in frames:
         decode_frame(f, layout)  # the seeds themselves must decode
+    g = torch.Generator().manual_seed(seed)
+    start = [torch.randn(s.shape, generator=g) for s in layout.specs]  # fp32: decode_apply's one-pass path
     rng = random.Random(seed)
     counts = {"rejected": 0, "accepted": 0, "crashed": 0}
     first_crash = None
@@ -119,11 +153,14 @@ def run(count: int, seed: int) -> dict:
     for _ in range(count):
         data = mutate(rng, rng.choice(frames), frames)
         try:
-            f = decode_frame(data, layout)
-            check_accepted(f, layout)
-            counts["accepted"] += 1
-        except FrameError:
-            counts["rejected"] += 1
+            f, error = None, None
+            try:
+                f = decode_frame(data, layout)
+                check_accepted(f, layout)
+            except FrameError as exc:
+                error = str(exc)
+            check_apply(data, layout, start, f, error)
+            counts["rejected" if error else "accepted"] += 1
         except Exception:  # noqa: BLE001 - anything else is what we are looking for
             counts["crashed"] += 1
             if first_crash is None:

@@ -391,7 +391,14 @@ def decode_frame(data: bytes, layout: Layout, *, _apply_to: tuple | None = None)
         _apply_to = (*_apply_to, crc)
     try:
         head = _read_header(data, check_crc=crc is None)
+    except FrameError:  # a problem found before the checksum's turn
+        if crc is not None:
+            crc.release()
+        raise
+    try:
         (_, _, kind, p1, p2, digest, round_, sender, n_tensors, numel, tile, k_full, _) = head
+        if kind not in (KIND_SPARSE, KIND_DENSE):
+            raise FrameError(f"unknown frame kind {kind}")
         _check_layout(layout, digest, n_tensors, numel)
         body = memoryview(data)[HEADER_BYTES:-_CRC.size]
         if kind == KIND_DENSE:
@@ -467,7 +474,7 @@ def _read_header(data: bytes, check_crc: bool = True) -> tuple:
     if len(data) < HEADER_BYTES + _CRC.size:
         raise FrameError(f"frame truncated: {len(data)} bytes, shorter than the {HEADER_BYTES + _CRC.size}-byte header and checksum")
     head = _HEADER.unpack_from(data)
-    magic, version, kind = head[0], head[1], head[2]
+    magic, version = head[0], head[1]
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not a GeoLoCo frame")
     if version != VERSION:
@@ -477,10 +484,8 @@ def _read_header(data: bytes, check_crc: bool = True) -> tuple:
         raise FrameError(f"frame truncated: {len(data)} bytes, header says {expected}")
     if len(data) > expected:
         raise FrameError(f"{len(data) - expected} trailing bytes after the frame (concatenated or oversized frame)")
-    if check_crc and not _crc_matches(data):
+    if check_crc and not _crc_matches(data):  # otherwise the caller checks it, then the kind
         raise FrameError(_CRC_MISMATCH)
-    if kind not in (KIND_SPARSE, KIND_DENSE):
-        raise FrameError(f"unknown frame kind {kind}")
     return head
 
 
