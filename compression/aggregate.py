@@ -171,9 +171,10 @@ def decode_apply(params: Sequence[torch.Tensor], data: bytes, layout: Layout, *,
                  alpha: float = 1.0) -> Frame:
     """``apply_frames(params, [decode_frame(data, layout)], [weight], alpha=alpha)`` with
     the same result bits and errors, in one pass where it can: for a sparse frame and
-    fp32 contiguous CPU params, each chunk is added in as soon as its indices check out,
-    keeping the values it overwrites; a problem found later puts every one of them back
-    (the params are bit for bit as before) and raises FrameError. Returns the frame."""
+    fp32 contiguous CPU params, each segment of 64 chunks is added in as soon as it checks
+    out; a problem found later (the checksum included) subtracts every update again,
+    restores the few whose subtraction would not give the old bits back from a log, and
+    raises FrameError: the params are bit for bit as before. Returns the frame."""
     params = list(params)
     if len(params) != len(layout.specs):
         raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
