@@ -22,7 +22,6 @@ from .intrinsics import (
     load_u64,
     prefetch_f32_at,
     store_f32_at,
-    swap_add_f32_at,
 )
 from .kernels import (
     ERR_CODE_PADDING,
@@ -139,10 +138,11 @@ def _add_undoable(base, pos, val, k, w, a, log_addr, log_val, at):
     """p[pos[j]] += d_j = a * (w * val[j]) for the fp32 array at address base. Where
     subtracting d_j again would not give the old bits back (rounding lost some of them),
     the old value and its address go to the log at log_addr/log_val[at:]: then every
-    element can be put back exactly. Returns where the next entry goes."""
+    element can be put back exactly. Returns where the next entry goes. (_segment_rest
+    has the same few lines inline: a call per element there costs 40 %.)"""
     for j in range(k):
         d = a * (w * val[j])
-        old = swap_add_f32_at(base, pos[j], d)
+        old = add_f32_at(base, pos[j], d)
         if f32_bits((old + d) - d) != f32_bits(old):  # rare: no store in the common case
             log_addr[at] = base + 4 * pos[j]
             log_val[at] = old
@@ -407,7 +407,7 @@ def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_ch
             if j + PREFETCH_AHEAD < m:
                 prefetch_f32_at(where[j + PREFETCH_AHEAD], 0)
             d = a * (w * vals[j])
-            old = swap_add_f32_at(where[j], 0, d)
+            old = add_f32_at(where[j], 0, d)
             if f32_bits((old + d) - d) != f32_bits(old):  # rare: see _add_undoable
                 log_addr[at] = where[j]
                 log_val[at] = old
@@ -532,9 +532,9 @@ def prepare(table, offsets_raw, index_len, levels, offsets):
 
 
 def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
-    """seg_start rows (tensor, chunk, first kept element, first code byte, number of chunks
-    when all of them are full-size, else 0) for every segment of a layout, from its chunk
-    grid alone."""
+    """seg_start rows (tensor, chunk, first kept element, first code byte, number of
+    full-size chunks: SEGMENT_CHUNKS when all are) for every segment of a layout, from its
+    chunk grid alone."""
     size = tile * tile
     starts = []
     chunk = kept = code = 0
@@ -546,13 +546,12 @@ def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
             if chunk % SEGMENT_CHUNKS == 0:
                 starts.append([t, c, kept, code, 0])
             n = size if c < n_chunks - 1 or left % size == 0 else left % size
-            starts[-1][4] += 1 if n == size else -SEGMENT_CHUNKS  # stays positive only if all are full
+            starts[-1][4] += n == size
             k = min(n, (k_full * n + size - 1) // size)
             kept += k
             code += (k + 3) // 4
             chunk += 1
     out = np.array(starts, dtype=np.int64).reshape(-1, 5)
-    out[:, 4] = np.maximum(out[:, 4], 0)
     out.setflags(write=False)
     return out
 

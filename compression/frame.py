@@ -225,7 +225,7 @@ class SparseBody:
     kept_off: np.ndarray
     index_dtype: type
     positions: np.ndarray  # in-chunk position of every kept element (uint16), found by VALIDATE
-    ready: np.ndarray      # [True] once VALIDATE has filled positions (CHECK_APPLY does not)
+    ready: bool            # VALIDATE has filled positions (CHECK_APPLY does not)
 
     def run(self, mode: int, out_flat=None, out_val=None, addrs=None, w: float = 1.0, a: float = 1.0,
             log=None, applied=None, helper=None) -> tuple:
@@ -233,7 +233,7 @@ class SparseBody:
         returns the first problem (status, tensor, chunk, segment) or None. log: (addresses,
         values, per-segment counts) for CHECK_APPLY and RESTORE; helper: a waiting pool
         thread (``_Helper``) to take one thread's share (VALIDATE and CHECK_APPLY)."""
-        if mode in (decode_kernel.MATERIALIZE, decode_kernel.APPLY) and not self.ready[0]:
+        if mode in (decode_kernel.MATERIALIZE, decode_kernel.APPLY) and not self.ready:
             problem = self.run(decode_kernel.VALIDATE)  # CHECK_APPLY did not keep the positions
             if problem is not None:  # validated by CHECK_APPLY: cannot happen
                 raise AssertionError(f"validating a checked frame failed: {problem}")
@@ -288,7 +288,7 @@ class SparseBody:
             submit(lambda: task(False), n_threads)
         task(True)
         if mode == decode_kernel.VALIDATE:
-            self.ready[0] = True
+            self.ready = True
         bad = np.flatnonzero(problems[:, 0] != kernels.OK)
         return tuple(int(x) for x in problems[bad[0]]) if len(bad) else None
 
@@ -586,7 +586,7 @@ def _decode_sparse(data, body, layout, p1, p2, tile, k_full, round_, sender, app
     sparse = SparseBody(buf, len(index_raw), offsets,
                         np.frombuffer(codes_raw, np.uint8), levels, per_chunk, fixed, k_full, tile, grid,
                         n_chunks, tab_off, seg_start, kept_off, geo.index_dtype,
-                        np.empty(kept_off[-1], dtype=np.uint16), np.zeros(1, dtype=bool))
+                        np.empty(kept_off[-1], dtype=np.uint16), False)
     if apply_to is None:
         problem = sparse.run(decode_kernel.VALIDATE)
     else:

@@ -196,20 +196,8 @@ if HAVE_NUMBA:
 
     @intrinsic
     def add_f32_at(typingctx, addr, i, x):
-        """``p[i] = p[i] + x`` for the fp32 array whose data starts at address addr."""
-        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and x == types.float32):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ptr = _f32_ptr(builder, args[0], args[1])
-            builder.store(builder.fadd(builder.load(ptr), args[2]), ptr)
-            return context.get_dummy_value()
-
-        return types.void(addr, i, x), codegen
-
-    @intrinsic
-    def swap_add_f32_at(typingctx, addr, i, x):
-        """``p[i] = p[i] + x`` like add_f32_at, returning the value it replaced."""
+        """``p[i] = p[i] + x`` for the fp32 array whose data starts at address addr; returns
+        the value it replaced."""
         if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and x == types.float32):
             return None
 
@@ -286,11 +274,6 @@ else:  # pragma: no cover - exercised only where numba is missing
         dst[o:o + 8] = table.reshape(-1)[8 * int(row):8 * int(row) + 8] + add
 
     def add_f32_at(addr, i, x):
-        import ctypes
-        cell = ctypes.c_float.from_address(int(addr) + 4 * int(i))
-        cell.value = np.float32(np.float32(cell.value) + np.float32(x))
-
-    def swap_add_f32_at(addr, i, x):
         import ctypes
         cell = ctypes.c_float.from_address(int(addr) + 4 * int(i))
         old = np.float32(cell.value)
