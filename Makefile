@@ -30,7 +30,7 @@ bench: venv
 	$(BIN)/python -m benchmarks.codec
 
 protos: venv
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/geoloco.proto
+	$(BIN)/python -m geoloco.protos.regenerate
 
 images:
 	docker/build_images.sh

@@ -34,7 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame, on_huge_pages  # noqa: E402
+from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame, on_huge_pages  # noqa: E402
 
 BETA = 0.95
 

@@ -26,7 +26,7 @@ import zlib
 
 import torch
 
-from compression import (
+from geoloco.compression import (
     Compressor,
     FrameError,
     Layout,
@@ -36,7 +36,7 @@ from compression import (
     decode_frame,
     encode_dense,
 )
-from compression.frame import HEADER_BYTES
+from geoloco.compression.frame import HEADER_BYTES
 
 FUZZ_SPECS = [
     TensorSpec("emb", (96, 64), torch.float32),

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from compression import Layout, aggregate, decode_frame, encode_dense
-from coordinator.rounds import Arrival, Decision
+from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
+from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.config import OuterConfig
 from geoloco.state import apply_round
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from coordinator.gradient_coding import GradientCode
+from geoloco.coordinator.gradient_coding import GradientCode
 
 
 @dataclass

@@ -19,20 +19,20 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import Tensor
 
-from compression import Layout, encode_dense, on_huge_pages
-from coordinator import checkpoint
-from coordinator.gradient_coding import GradientCode, make_code
-from coordinator.metrics import MetricsWriter, RoundMetrics, RunTotals, write_text_atomic
-from coordinator.outer import Update, apply_update, make_outer
-from coordinator.registry import WorkerRecord, WorkerRegistry
-from coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
-from coordinator.servicer import ClosedRound, CoordinatorServicer
+from geoloco.compression import Layout, encode_dense, on_huge_pages
+from geoloco.coordinator import checkpoint
+from geoloco.coordinator.gradient_coding import GradientCode, make_code
+from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RunTotals, write_text_atomic
+from geoloco.coordinator.outer import Update, apply_update, make_outer
+from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
+from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
+from geoloco.coordinator.servicer import ClosedRound, CoordinatorServicer
 from geoloco import wire
 from geoloco.config import ConfigError, RunConfig
 from geoloco.state import param_digest
 from geoloco.tasks import build_task
-from protos import geoloco_pb2 as pb
-from protos import geoloco_pb2_grpc
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
 
 log = logging.getLogger(__name__)
 

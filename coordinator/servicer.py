@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from compression import Frame, FrameError, decode_frame
-from coordinator.registry import RegistryError, WorkerRecord
-from coordinator.rounds import Arrival, RoundError
+from geoloco.compression import Frame, FrameError, decode_frame
+from geoloco.coordinator.registry import RegistryError, WorkerRecord
+from geoloco.coordinator.rounds import Arrival, RoundError
 from geoloco import wire
-from protos import geoloco_pb2 as pb
-from protos import geoloco_pb2_grpc
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
 
 if TYPE_CHECKING:
-    from coordinator.server import Coordinator
+    from geoloco.coordinator.server import Coordinator
 
 log = logging.getLogger(__name__)
 

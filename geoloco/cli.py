@@ -167,7 +167,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, COORDINATOR_FLAGS)
     check_straggler_profiles(cfg)
     configure_logging(args.log_file, args.verbose)
-    from coordinator.server import run_coordinator
+    from geoloco.coordinator.server import run_coordinator
 
     return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume)
 
@@ -177,7 +177,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     if args.wan_emulate:
         _check_profile(args.wan_emulate)
-    from worker.main import run_worker
+    from geoloco.worker.main import run_worker
 
     return run_worker(
         cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
@@ -190,7 +190,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 def check_straggler_profiles(cfg: RunConfig) -> None:
     """Parse every worker's straggler profile now, so a typo fails at start (exit 2)
     instead of in a worker process."""
-    from worker.stragglers import StragglerProfileError, parse_profile
+    from geoloco.worker.stragglers import StragglerProfileError, parse_profile
 
     names = ["stragglers.default"] + [f"stragglers.per_worker[{i}]" for i in range(len(cfg.stragglers.per_worker))]
     for name, text in zip(names, [cfg.stragglers.default, *cfg.stragglers.per_worker], strict=True):

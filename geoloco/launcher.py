@@ -158,8 +158,6 @@ class LocalRun:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # one thread per process by default
             env.setdefault(var, "1")
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)
         return Child(name, proc, path, out)

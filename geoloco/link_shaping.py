@@ -281,7 +281,7 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Iden
     import grpc
 
     from geoloco.wire import CHANNEL_OPTIONS
-    from protos import geoloco_pb2, geoloco_pb2_grpc
+    from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
 
     request = geoloco_pb2.JoinRequest(token=token, capabilities=geoloco_pb2.Capabilities(
         device="pending", hostname=socket.gethostname(), version=_version(), threads=1))

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from compression import Frame, apply_frames
+from geoloco.compression import Frame, apply_frames
 
 INCREMENTAL_MODES = ("sum",)  # modes whose frames are applied one at a time, in order
 

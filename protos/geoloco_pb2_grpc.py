@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import geoloco_pb2 as protos_dot_geoloco__pb2
+from geoloco.protos import geoloco_pb2 as geoloco_dot_protos_dot_geoloco__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/geoloco_pb2_grpc.py depends on'
+        + ' but the generated code in geoloco/protos/geoloco_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class CoordinatorStub:
         """
         self.Join = channel.unary_unary(
                 '/geoloco.v1.Coordinator/Join',
-                request_serializer=protos_dot_geoloco__pb2.JoinRequest.SerializeToString,
-                response_deserializer=protos_dot_geoloco__pb2.JoinReply.FromString,
+                request_serializer=geoloco_dot_protos_dot_geoloco__pb2.JoinRequest.SerializeToString,
+                response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.JoinReply.FromString,
                 _registered_method=True)
         self.FetchState = channel.unary_stream(
                 '/geoloco.v1.Coordinator/FetchState',
-                request_serializer=protos_dot_geoloco__pb2.FetchStateRequest.SerializeToString,
-                response_deserializer=protos_dot_geoloco__pb2.StateChunk.FromString,
+                request_serializer=geoloco_dot_protos_dot_geoloco__pb2.FetchStateRequest.SerializeToString,
+                response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.StateChunk.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/geoloco.v1.Coordinator/Push',
-                request_serializer=protos_dot_geoloco__pb2.PushChunk.SerializeToString,
-                response_deserializer=protos_dot_geoloco__pb2.PushReply.FromString,
+                request_serializer=geoloco_dot_protos_dot_geoloco__pb2.PushChunk.SerializeToString,
+                response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.PushReply.FromString,
                 _registered_method=True)
         self.Rounds = channel.unary_stream(
                 '/geoloco.v1.Coordinator/Rounds',
-                request_serializer=protos_dot_geoloco__pb2.RoundsRequest.SerializeToString,
-                response_deserializer=protos_dot_geoloco__pb2.RoundUpdate.FromString,
+                request_serializer=geoloco_dot_protos_dot_geoloco__pb2.RoundsRequest.SerializeToString,
+                response_deserializer=geoloco_dot_protos_dot_geoloco__pb2.RoundUpdate.FromString,
                 _registered_method=True)
 
 
@@ -93,23 +93,23 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=protos_dot_geoloco__pb2.JoinRequest.FromString,
-                    response_serializer=protos_dot_geoloco__pb2.JoinReply.SerializeToString,
+                    request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.JoinRequest.FromString,
+                    response_serializer=geoloco_dot_protos_dot_geoloco__pb2.JoinReply.SerializeToString,
             ),
             'FetchState': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchState,
-                    request_deserializer=protos_dot_geoloco__pb2.FetchStateRequest.FromString,
-                    response_serializer=protos_dot_geoloco__pb2.StateChunk.SerializeToString,
+                    request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.FetchStateRequest.FromString,
+                    response_serializer=geoloco_dot_protos_dot_geoloco__pb2.StateChunk.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protos_dot_geoloco__pb2.PushChunk.FromString,
-                    response_serializer=protos_dot_geoloco__pb2.PushReply.SerializeToString,
+                    request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.PushChunk.FromString,
+                    response_serializer=geoloco_dot_protos_dot_geoloco__pb2.PushReply.SerializeToString,
             ),
             'Rounds': grpc.unary_stream_rpc_method_handler(
                     servicer.Rounds,
-                    request_deserializer=protos_dot_geoloco__pb2.RoundsRequest.FromString,
-                    response_serializer=protos_dot_geoloco__pb2.RoundUpdate.SerializeToString,
+                    request_deserializer=geoloco_dot_protos_dot_geoloco__pb2.RoundsRequest.FromString,
+                    response_serializer=geoloco_dot_protos_dot_geoloco__pb2.RoundUpdate.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,8 +137,8 @@ class Coordinator:
             request,
             target,
             '/geoloco.v1.Coordinator/Join',
-            protos_dot_geoloco__pb2.JoinRequest.SerializeToString,
-            protos_dot_geoloco__pb2.JoinReply.FromString,
+            geoloco_dot_protos_dot_geoloco__pb2.JoinRequest.SerializeToString,
+            geoloco_dot_protos_dot_geoloco__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -164,8 +164,8 @@ class Coordinator:
             request,
             target,
             '/geoloco.v1.Coordinator/FetchState',
-            protos_dot_geoloco__pb2.FetchStateRequest.SerializeToString,
-            protos_dot_geoloco__pb2.StateChunk.FromString,
+            geoloco_dot_protos_dot_geoloco__pb2.FetchStateRequest.SerializeToString,
+            geoloco_dot_protos_dot_geoloco__pb2.StateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class Coordinator:
             request_iterator,
             target,
             '/geoloco.v1.Coordinator/Push',
-            protos_dot_geoloco__pb2.PushChunk.SerializeToString,
-            protos_dot_geoloco__pb2.PushReply.FromString,
+            geoloco_dot_protos_dot_geoloco__pb2.PushChunk.SerializeToString,
+            geoloco_dot_protos_dot_geoloco__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class Coordinator:
             request,
             target,
             '/geoloco.v1.Coordinator/Rounds',
-            protos_dot_geoloco__pb2.RoundsRequest.SerializeToString,
-            protos_dot_geoloco__pb2.RoundUpdate.FromString,
+            geoloco_dot_protos_dot_geoloco__pb2.RoundsRequest.SerializeToString,
+            geoloco_dot_protos_dot_geoloco__pb2.RoundUpdate.FromString,
             options,
             channel_credentials,
             insecure,

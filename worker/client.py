@@ -21,7 +21,7 @@ import grpc
 import torch
 from torch import Tensor
 
-from compression import (
+from geoloco.compression import (
     Compressor,
     Frame,
     FrameError,
@@ -34,9 +34,9 @@ from geoloco import wire
 from geoloco.config import RunConfig, validate
 from geoloco.state import apply_round, param_digest
 from geoloco.tasks import build_task
-from protos import geoloco_pb2 as pb
-from protos import geoloco_pb2_grpc as pb_grpc
-from worker.trainer import InnerTrainer, describe_device, resolve_device
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -679,7 +679,7 @@ def _make_straggler(profile: str, worker_id: int, seed: int):
     if not profile or profile == "none":
         return None
     try:
-        from worker.stragglers import make_straggler
+        from geoloco.worker.stragglers import make_straggler
     except ImportError:
         log.warning("straggler profile %r ignored: worker.stragglers is not available", profile)
         return None

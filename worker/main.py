@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from geoloco.link_profile import LinkProfile
-from worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
+from geoloco.worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from coordinator import checkpoint
+from geoloco.coordinator import checkpoint
 from geoloco.state import param_digest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,12 +16,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from compression import Compressor, Layout, decode_frame, encode_dense
-from coordinator.server import Coordinator
+from geoloco.compression import Compressor, Layout, decode_frame, encode_dense
+from geoloco.coordinator.server import Coordinator
 from geoloco import state, wire
 from geoloco.config import load_config
-from protos import geoloco_pb2 as pb
-from protos import geoloco_pb2_grpc
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
 
 TOKEN = "test-token"
 RPC_TIMEOUT_S = 60.0

@@ -33,10 +33,10 @@ from run_processes import (
     worker_reports,
 )
 
-from coordinator.server import Coordinator
+from geoloco.coordinator.server import Coordinator
 from geoloco.config import load_config
 from geoloco.wire import KEEPALIVE_S
-from worker.client import RoundResult, WorkerClient, WorkerOptions
+from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}

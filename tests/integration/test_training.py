@@ -18,7 +18,7 @@ from run_processes import (
     worker_reports,
 )
 
-from compression import Compressor, Layout, encode_dense
+from geoloco.compression import Compressor, Layout, encode_dense
 from geoloco.config import load_config
 from geoloco.tasks import build_task
 

@@ -24,10 +24,10 @@ from run_processes import (
     worker_reports,
 )
 
-from coordinator.server import Coordinator
+from geoloco.coordinator.server import Coordinator
 from geoloco.config import load_config
 from geoloco.state import param_digest
-from worker.client import WorkerClient, WorkerOptions
+from geoloco.worker.client import WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 WORKERS = 3

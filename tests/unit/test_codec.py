@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from compression import (
+from geoloco.compression import (
     Compressor,
     FrameError,
     Layout,
@@ -285,7 +285,7 @@ def test_codec_without_numba_gives_the_same_bytes_and_values(tmp_path):
         sys.modules["numba"] = None  # import numba -> ImportError
         warnings.simplefilter("ignore")
         import torch
-        from compression import Compressor, Layout, TensorSpec, decode_frame, kernels
+        from geoloco.compression import Compressor, Layout, TensorSpec, decode_frame, kernels
         assert not kernels.HAVE_NUMBA
         torch.manual_seed(3)
         lay = Layout([TensorSpec("m", (40, 24), torch.float32), TensorSpec("v", (9,), torch.float32)])
@@ -338,7 +338,7 @@ def test_index_offsets_are_validated():
 def test_index_section_with_bytes_past_the_last_chunk_is_refused():
     """A Rice index section may be shorter than its maximum; bytes after the last chunk's
     codes (the last segment has fewer than 64 chunks here) are a FrameError, not a crash."""
-    from compression import frame as fr
+    from geoloco.compression import frame as fr
 
     lay = Layout([TensorSpec("w", (200, 256), torch.float32)])  # 200 chunks of 16x16: segments of 64, 64, 64, 8
     data = Compressor(lay, density=1 / 16, tile=16).compress([torch.randn(200, 256)], round=0, sender=0)

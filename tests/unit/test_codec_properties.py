@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, kernels
-from compression.layout import ChunkGrid, kept_per_chunk
+from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, kernels
+from geoloco.compression.layout import ChunkGrid, kept_per_chunk
 
 shapes = st.one_of(
     st.just(()),

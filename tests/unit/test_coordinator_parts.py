@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from compression import Layout, decode_frame, encode_dense
-from coordinator import checkpoint
-from coordinator.gradient_coding import make_code
-from coordinator.outer import DiLoCoOuter, SparseLoCoOuter, apply_update, mean_weights
-from coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
+from geoloco.compression import Layout, decode_frame, encode_dense
+from geoloco.coordinator import checkpoint
+from geoloco.coordinator.gradient_coding import make_code
+from geoloco.coordinator.outer import DiLoCoOuter, SparseLoCoOuter, apply_update, mean_weights
+from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
 from geoloco.config import OuterConfig
 
 SHAPES = {"w": (8, 8), "b": (5,)}

@@ -9,7 +9,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from coordinator.gradient_coding import (
+from geoloco.coordinator.gradient_coding import (
     CR_SEED_CANDIDATES,
     DECODE_TOLERANCE,
     SCHEMES,

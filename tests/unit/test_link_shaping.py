@@ -15,7 +15,7 @@ import pytest
 
 from geoloco import link_shaping as ls
 from geoloco.link_profile import LinkProfile
-from protos import geoloco_pb2, geoloco_pb2_grpc
+from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
 
 FULL = LinkProfile.parse("20mbit/50ms/5ms/0.1%")
 

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 import torch
 
-from compression import Compressor, Layout, apply_frames, decode_frame
+from geoloco.compression import Compressor, Layout, apply_frames, decode_frame
 from geoloco.state import apply_round, param_digest
 
 

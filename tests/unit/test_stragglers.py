@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.stragglers import (
+from geoloco.worker.stragglers import (
     MarkovBursty,
     StragglerProfile,
     StragglerProfileError,

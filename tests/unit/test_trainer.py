@@ -8,7 +8,7 @@ import torch
 
 from geoloco.config import InnerConfig, TaskConfig
 from geoloco.tasks import build_task
-from worker.trainer import InnerTrainer, lr_at, resolve_device
+from geoloco.worker.trainer import InnerTrainer, lr_at, resolve_device
 
 TASK = TaskConfig(model="gpt-tiny", seq_len=32, batch_size=4, val_batches=2, corpus_bytes=200_000)
 
