@@ -33,8 +33,14 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
-
-from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame, on_huge_pages  # noqa: E402
+from geoloco.compression import (  # noqa: E402
+    Compressor,
+    Layout,
+    TensorSpec,
+    decode_apply,
+    decode_frame,
+    on_huge_pages,
+)
 
 BETA = 0.95
 

@@ -25,7 +25,6 @@ import traceback
 import zlib
 
 import torch
-
 from geoloco.compression import (
     Compressor,
     FrameError,

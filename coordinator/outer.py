@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
 from geoloco.coordinator.rounds import Arrival, Decision
+from torch import Tensor
+
 from geoloco.config import OuterConfig
 from geoloco.state import apply_round
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
-
 from geoloco.coordinator.gradient_coding import GradientCode
 
 

@@ -16,9 +16,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from torch import Tensor
-
 from geoloco.compression import Layout, encode_dense, on_huge_pages
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
@@ -27,12 +24,15 @@ from geoloco.coordinator.outer import Update, apply_update, make_outer
 from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
 from geoloco.coordinator.servicer import ClosedRound, CoordinatorServicer
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from torch import Tensor
+
 from geoloco import wire
 from geoloco.config import ConfigError, RunConfig
 from geoloco.state import param_digest
 from geoloco.tasks import build_task
-from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos import geoloco_pb2_grpc
 
 log = logging.getLogger(__name__)
 

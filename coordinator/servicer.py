@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
-
 from geoloco.compression import Frame, FrameError, decode_frame
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
 from geoloco.coordinator.rounds import Arrival, RoundError
-from geoloco import wire
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
+
+from geoloco import wire
 
 if TYPE_CHECKING:
     from geoloco.coordinator.server import Coordinator

@@ -280,8 +280,8 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Iden
     up) and return the assigned identity; a refusal (bad token, full run) raises."""
     import grpc
 
-    from geoloco.wire import CHANNEL_OPTIONS
     from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
+    from geoloco.wire import CHANNEL_OPTIONS
 
     request = geoloco_pb2.JoinRequest(token=token, capabilities=geoloco_pb2.Capabilities(
         device="pending", hostname=socket.gethostname(), version=_version(), threads=1))

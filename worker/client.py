@@ -19,8 +19,6 @@ from pathlib import Path
 
 import grpc
 import torch
-from torch import Tensor
-
 from geoloco.compression import (
     Compressor,
     Frame,
@@ -30,13 +28,15 @@ from geoloco.compression import (
     encode_dense,
     on_huge_pages,
 )
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
+from torch import Tensor
+
 from geoloco import wire
 from geoloco.config import RunConfig, validate
 from geoloco.state import apply_round, param_digest
 from geoloco.tasks import build_task
-from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from geoloco.worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
 
 from geoloco.link_profile import LinkProfile
-from geoloco.worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
 
 log = logging.getLogger(__name__)
 

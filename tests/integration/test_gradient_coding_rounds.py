@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from geoloco.coordinator.server import Coordinator
+from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 from run_processes import (
     ROOT,
     SMALL,
@@ -33,10 +35,8 @@ from run_processes import (
     worker_reports,
 )
 
-from geoloco.coordinator.server import Coordinator
 from geoloco.config import load_config
 from geoloco.wire import KEEPALIVE_S
-from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from geoloco.coordinator.server import Coordinator
+from geoloco.worker.client import WorkerClient, WorkerOptions
 from run_processes import (
     SMALL,
     TOKEN,
@@ -24,10 +26,8 @@ from run_processes import (
     worker_reports,
 )
 
-from geoloco.coordinator.server import Coordinator
 from geoloco.config import load_config
 from geoloco.state import param_digest
-from geoloco.worker.client import WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 WORKERS = 3

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from geoloco.compression import Layout, decode_frame, encode_dense
 from geoloco.coordinator.gradient_coding import SCHEMES, make_code
 from geoloco.coordinator.metrics import RoundMetrics, RunTotals
 from geoloco.coordinator.outer import SparseLoCoOuter, apply_update
 from geoloco.coordinator.rounds import Arrival, CodePolicy, deadline_decoding
 from geoloco.coordinator.server import Coordinator, check_aggregation
+
 from geoloco.cli import main
 from geoloco.config import ConfigError, OuterConfig, load_config
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
 
 from geoloco import link_shaping as ls
 from geoloco.link_profile import LinkProfile
-from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
 
 FULL = LinkProfile.parse("20mbit/50ms/5ms/0.1%")
 

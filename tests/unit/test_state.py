@@ -8,8 +8,8 @@ import hashlib
 
 import pytest
 import torch
-
 from geoloco.compression import Compressor, Layout, apply_frames, decode_frame
+
 from geoloco.state import apply_round, param_digest
 
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from geoloco.worker.stragglers import (
     MarkovBursty,
     StragglerProfile,
