@@ -33,6 +33,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+
 from geoloco.compression import (  # noqa: E402
     Compressor,
     Layout,

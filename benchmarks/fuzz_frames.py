@@ -25,6 +25,7 @@ import traceback
 import zlib
 
 import torch
+
 from geoloco.compression import (
     Compressor,
     FrameError,

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 import torch
-from geoloco.worker.trainer import lr_at
 
 from geoloco.config import RunConfig, load_config
-from geoloco.launcher import run_local
+from geoloco.launch import run_local
 from geoloco.tasks import build_task
+from geoloco.worker.trainer import lr_at
 
 QUICK = {"workers": 2, "rounds": 2, "inner_steps": 2, "seq_len": 16, "batch_size": 2, "val_batches": 1}
 

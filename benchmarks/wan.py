@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.config import RunConfig, load_config
-from geoloco.launcher import run_local
-from geoloco.link_profile import LinkProfile
+from geoloco.launch import run_local
+from geoloco.profiles import LinkProfile
 
 METHODS = ("sparseloco", "diloco")
 QUICK = {"model": "gpt-tiny", "workers": 2, "rounds": 2, "warmup_rounds": 1, "batch_size": 2,

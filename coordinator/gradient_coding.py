@@ -24,7 +24,8 @@ from typing import TypeVar
 
 import numpy as np
 
-SCHEMES = ("none", "ignore", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
+from geoloco.config import SCHEMES
+
 DECODE_TOLERANCE = 1e-9  # max |sum_i a_i B[i] - 1| accepted as exact decoding
 CR_SEED_CANDIDATES = 16  # random H matrices tried for CR; the best worst-case |a| is kept
 WORST_CASE_SET_LIMIT = 5000  # straggler sets checked exhaustively; above, a seeded sample

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
-from geoloco.coordinator.rounds import Arrival, Decision
 from torch import Tensor
 
+from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
 from geoloco.config import OuterConfig
-from geoloco.state import apply_round
+from geoloco.coordinator.rounds import Arrival, Decision
+from geoloco.replica import apply_round
 
 COORDINATOR_SENDER = 2**31 - 1  # sender id of the coordinator's own frames (fits int32 and u32)
 
@@ -43,7 +43,7 @@ class Update:
 
 
 def apply_update(params: list[Tensor], update: Update) -> None:
-    """The very call the workers make (``geoloco.state.apply_round``), so the coordinator's
+    """The very call the workers make (``geoloco.replica.apply_round``), so the coordinator's
     parameters match theirs bit for bit."""
     apply_round(params, [f.frame for f in update.frames], [f.weight for f in update.frames],
                 update.mode, update.alpha)

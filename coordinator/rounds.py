@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+
 from geoloco.coordinator.gradient_coding import GradientCode
 
 

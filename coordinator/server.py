@@ -16,7 +16,12 @@ from pathlib import Path
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from torch import Tensor
+
+from geoloco import transport
 from geoloco.compression import Layout, encode_dense, on_huge_pages
+from geoloco.config import ConfigError, RunConfig
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RunTotals, write_text_atomic
@@ -26,12 +31,7 @@ from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, RoundError
 from geoloco.coordinator.servicer import ClosedRound, CoordinatorServicer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from torch import Tensor
-
-from geoloco import wire
-from geoloco.config import ConfigError, RunConfig
-from geoloco.state import param_digest
+from geoloco.replica import param_digest
 from geoloco.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Coordinator:
         threads = 3 * self.cfg.workers + 8  # Push + Rounds + FetchState per worker, health
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            options=wire.SERVER_OPTIONS,
+            options=transport.SERVER_OPTIONS,
         )
         geoloco_pb2_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

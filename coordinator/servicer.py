@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
+
+from geoloco import transport
 from geoloco.compression import Frame, FrameError, decode_frame
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
 from geoloco.coordinator.rounds import Arrival, RoundError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-
-from geoloco import wire
 
 if TYPE_CHECKING:
     from geoloco.coordinator.server import Coordinator
@@ -70,7 +70,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         task = self.core.task_for(record.worker_id, round)
         log.info("worker %d fetches the state of round %d (%d bytes)", record.worker_id, round,
                  len(data))
-        for i, chunk in enumerate(wire.chunks(data)):
+        for i, chunk in enumerate(transport.chunks(data)):
             if i == 0:
                 yield pb.StateChunk(round=round, digest=digest, total_bytes=len(data),
                                     data=chunk, task=task)
@@ -183,7 +183,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                 closed = pending.popleft()
             else:
                 try:
-                    closed = sub.get(timeout=wire.KEEPALIVE_S)
+                    closed = sub.get(timeout=transport.KEEPALIVE_S)
                 except queue.Empty:
                     yield pb.RoundUpdate(keepalive=pb.Keepalive(round=self.core.open_round()))
                     continue
@@ -206,7 +206,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         yield pb.RoundUpdate(header=header)
         view, start = memoryview(closed.data), 0
         for info in closed.header.frames:
-            for chunk in wire.chunks(view[start:start + info.nbytes]):
+            for chunk in transport.chunks(view[start:start + info.nbytes]):
                 yield pb.RoundUpdate(data=chunk)
             start += info.nbytes
         digest = _await_digest(closed, context)
@@ -229,7 +229,7 @@ def _await_digest(closed: ClosedRound, context: grpc.ServicerContext) -> str | N
     hung up first. A failed round loop (the future holds its exception) ends the stream."""
     while context.is_active():
         try:
-            return closed.digest.result(timeout=wire.KEEPALIVE_S)
+            return closed.digest.result(timeout=transport.KEEPALIVE_S)
         except FutureTimeout:
             continue
     return None

@@ -59,7 +59,7 @@ run_worker() {
             log "link shaping needs root (and cap_add NET_ADMIN); set GEOLOCO_SHAPE=0 to skip it"
             exit 3
         fi
-        python -m geoloco.link_shaping join-and-apply --coordinator "$COORDINATOR" --token "$TOKEN" \
+        python -m geoloco.worker.container --coordinator "$COORDINATOR" --token "$TOKEN" \
             --identity-file "$IDENTITY" --owner "$USER_NAME" --iface "${GEOLOCO_IFACE:-eth0}" \
             --rate-qdisc "${GEOLOCO_RATE_QDISC:-tbf}" --netem "${GEOLOCO_NETEM:-auto}"
         emulate="$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["emulate"] or "")' "$IDENTITY")"

@@ -1,13 +1,14 @@
 """GeoLoCo: SparseLoCo training across regions over slow links (README.md).
 
-Importing the package sets one process default before anything loads torch: torch's
-OpenMP threads otherwise spin for a while after every parallel op, holding the core that
-the codec's own threads need next (measured: decode + apply 1.5x slower right after a
-torch op). A value the user set wins.
+Importing the package sets nothing process-wide; the ``geoloco`` command sets its
+process defaults itself (``geoloco.cli``).
 """
 
-import os
+from importlib.metadata import PackageNotFoundError, version
 
-OMP_WAIT_POLICY = "OMP_WAIT_POLICY"  # read once, when torch loads its OpenMP runtime
+try:
+    __version__ = version("geoloco")
+except PackageNotFoundError:  # a checkout that was never installed
+    __version__ = "0+unknown"
 
-os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
+__all__ = ["__version__"]

@@ -4,14 +4,24 @@
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+import os
 
-from geoloco.config import ConfigError, RunConfig, load_config
+# Process defaults of the geoloco command, set before anything below loads torch: torch's
+# OpenMP threads otherwise spin for a while after every parallel op, holding the core that
+# the codec's own threads need next (measured: decode + apply 1.5x slower right after a
+# torch op). A value the user set wins. Child processes of `geoloco local` inherit it.
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from geoloco import __version__  # noqa: E402
+from geoloco.config import ConfigError, RunConfig, load_config  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -52,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="geoloco",
         description="Cross-region training: SparseLoCo compression and gradient coding over gRPC.",
     )
+    parser.add_argument("--version", action="version", version=f"geoloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_local(sub)
     _add_coordinator(sub)
@@ -156,16 +167,14 @@ def configure_logging(log_file: str | None, verbose: bool = False) -> None:
 
 def _run_local(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, LOCAL_FLAGS, LOCAL_DEMO_DEFAULTS)
-    check_straggler_profiles(cfg)
     configure_logging(args.log_file, args.verbose)
-    from geoloco.launcher import run_local
+    from geoloco.launch import run_local
 
     return run_local(cfg, stall_timeout_s=args.stall_timeout)
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, COORDINATOR_FLAGS)
-    check_straggler_profiles(cfg)
     configure_logging(args.log_file, args.verbose)
     from geoloco.coordinator.server import run_coordinator
 
@@ -187,21 +196,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     )
 
 
-def check_straggler_profiles(cfg: RunConfig) -> None:
-    """Parse every worker's straggler profile now, so a typo fails at start (exit 2)
-    instead of in a worker process."""
-    from geoloco.worker.stragglers import StragglerProfileError, parse_profile
-
-    names = ["stragglers.default"] + [f"stragglers.per_worker[{i}]" for i in range(len(cfg.stragglers.per_worker))]
-    for name, text in zip(names, [cfg.stragglers.default, *cfg.stragglers.per_worker], strict=True):
-        try:
-            parse_profile(text)
-        except StragglerProfileError as exc:
-            raise ConfigError(f"{name}: {exc}") from None
-
-
 def _check_profile(text: str) -> None:
-    from geoloco.link_profile import LinkProfile, LinkProfileError
+    from geoloco.profiles import LinkProfile, LinkProfileError
 
     try:
         LinkProfile.parse(text)

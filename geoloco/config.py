@@ -11,7 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.link_profile import LinkProfile, LinkProfileError
+from geoloco.compression.frame import MAX_TILE
+from geoloco.profiles import (
+    LinkProfile,
+    LinkProfileError,
+    StragglerProfileError,
+    load_trace,
+    parse_straggler_profile,
+)
+from geoloco.transport import AddressError, parse_address
 
 MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-medium", "gpt-100m")
 METHODS = ("sparseloco", "diloco")
@@ -202,9 +210,6 @@ def _check_inner(inner: InnerConfig) -> None:
     _check_range("inner.grad_clip", inner.grad_clip, 0.0, 1e6)
 
 
-MAX_TILE = 256  # the largest tile a frame can carry (compression.frame.MAX_TILE)
-
-
 def _check_compression(comp: CompressionConfig) -> None:
     _check_choice("compression.method", comp.method, METHODS)
     _check_range("compression.density", comp.density, 1 / 4096, 1.0)
@@ -249,8 +254,18 @@ def _check_links(net: NetworkConfig, workers: int) -> None:
 
 
 def _check_stragglers(st: StragglerConfig, workers: int) -> None:
+    """Every worker's profile parses, and a trace file has a row for every worker it is
+    the profile of."""
     if len(st.per_worker) > workers:
         raise ConfigError(f"stragglers.per_worker lists {len(st.per_worker)} profiles for {workers} workers")
+    for i in range(workers):
+        name = f"stragglers.per_worker[{i}]" if i < len(st.per_worker) else "stragglers.default"
+        try:
+            profile = parse_straggler_profile(st.profile_for(i))
+            if profile.kind == "trace" and len(load_trace(profile.path)) <= i:
+                raise StragglerProfileError(f"straggler trace {profile.path!r} has no row for worker {i}")
+        except StragglerProfileError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
 
 
 def _check_coordinator(co: CoordinatorConfig) -> None:
@@ -265,9 +280,10 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
 
 
 def _check_address(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}: {value!r} is not HOST:PORT with PORT in 0..65535")
+    try:
+        parse_address(value)
+    except AddressError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 def _check_range(name: str, value: Any, low: float, high: float) -> None:

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import grpc
 import torch
+from torch import Tensor
+
+from geoloco import transport
 from geoloco.compression import (
     Compressor,
     Frame,
@@ -28,31 +31,18 @@ from geoloco.compression import (
     encode_dense,
     on_huge_pages,
 )
+from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
-from torch import Tensor
-
-from geoloco import wire
-from geoloco.config import RunConfig, validate
-from geoloco.state import apply_round, param_digest
+from geoloco.replica import apply_round, param_digest
 from geoloco.tasks import build_task
+from geoloco.transport import CoordinatorUnreachable, JoinRefused
+from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
 
 log = logging.getLogger(__name__)
 
-BACKOFF_START_S = 0.5  # first retry delay; doubles up to BACKOFF_MAX_S (docs/protocol.md step 1)
-BACKOFF_MAX_S = 10.0
-JOIN_CALL_TIMEOUT_S = 10.0  # one Join attempt; a dead address fails much faster
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+RETRYABLE = transport.RETRYABLE
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
-
-
-class CoordinatorUnreachable(RuntimeError):
-    """Join kept failing for longer than worker.connect_timeout_s."""
-
-
-class JoinRefused(RuntimeError):
-    """The coordinator answered Join with an error (wrong token, unknown reclaim, run over)."""
 
 
 class Disconnected(Exception):
@@ -260,12 +250,6 @@ class WorkerClient:
 
     # ------------------------------------------------------------------ connection
 
-    def _open_channel(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-        self.channel = grpc.insecure_channel(self.opt.address, options=wire.CHANNEL_OPTIONS)
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
-
     def _join_request(self) -> pb.JoinRequest:
         caps = pb.Capabilities(
             device=describe_device(self.device), hostname=socket.gethostname(),
@@ -279,35 +263,16 @@ class WorkerClient:
 
     def join(self) -> pb.JoinReply:
         """Join (or reclaim), retrying with exponential backoff until connect_timeout_s."""
-        start, delay, attempt = time.monotonic(), BACKOFF_START_S, 0
-        while True:
-            attempt += 1
-            self._open_channel()
-            try:
-                reply = self.stub.Join(self._join_request(), timeout=JOIN_CALL_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                if exc.code() not in RETRYABLE:
-                    raise JoinRefused(f"coordinator at {self.opt.address} refused Join: "
-                                      f"{exc.code().name}: {exc.details()}") from None
-                delay = self._wait_retry(start, delay, attempt, exc)
-                continue
-            self._accept(reply)
-            return reply
+        def call(channel: grpc.Channel) -> pb.JoinReply:
+            return pb_grpc.CoordinatorStub(channel).Join(self._join_request(),
+                                                         timeout=transport.JOIN_CALL_TIMEOUT_S)
 
-    def _wait_retry(self, start: float, delay: float, attempt: int, exc: grpc.RpcError) -> float:
-        elapsed = time.monotonic() - start
-        left = self.opt.connect_timeout_s - elapsed
-        if left <= 0:
-            raise CoordinatorUnreachable(
-                f"coordinator at {self.opt.address} unreachable after {attempt} attempts in "
-                f"{elapsed:.1f}s (worker.connect_timeout_s={self.opt.connect_timeout_s:g}); "
-                "check the address and that the coordinator is running"
-            )
-        wait = min(delay, left)
-        log.warning("join attempt %d to %s failed (%s); retrying in %.1fs",
-                    attempt, self.opt.address, exc.code().name, wait)
-        time.sleep(wait)
-        return min(delay * 2, BACKOFF_MAX_S)
+        reply, channel = transport.join_with_backoff(self.opt.address, call, self.opt.connect_timeout_s)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel, self.stub = channel, pb_grpc.CoordinatorStub(channel)
+        self._accept(reply)
+        return reply
 
     def _accept(self, reply: pb.JoinReply) -> None:
         reclaimed = self.worker_id is not None
@@ -415,8 +380,8 @@ class WorkerClient:
             except Disconnected as exc:
                 if time.monotonic() > deadline:
                     raise CoordinatorUnreachable(f"could not resume with {self.opt.address}: {exc}") from None
-                log.warning("rejoin incomplete (%s); retrying in %.1fs", exc, BACKOFF_START_S)
-                time.sleep(BACKOFF_START_S)
+                log.warning("rejoin incomplete (%s); retrying in %.1fs", exc, transport.BACKOFF_START_S)
+                time.sleep(transport.BACKOFF_START_S)
 
     # ------------------------------------------------------------------ rounds
 
@@ -450,7 +415,7 @@ class WorkerClient:
                 return ready
         if self.frame is not None and self.pushed_round != self.round:
             self._push()
-        return self._poll(wire.KEEPALIVE_S)
+        return self._poll(transport.KEEPALIVE_S)
 
     def _poll(self, timeout: float) -> RoundResult | None:
         """The next round result, skipping rounds already applied."""
@@ -527,7 +492,7 @@ class WorkerClient:
                                total_bytes=len(self.frame), compute_seconds=info.compute_s,
                                train_loss=info.loss, partitions=info.partitions,
                                encode_seconds=info.encode_s, apply_seconds=info.apply_s)
-        chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in wire.chunks(self.frame)]
+        chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(self.frame)]
         try:
             reply = self.stub.Push(iter(chunks))
         except grpc.RpcError as exc:

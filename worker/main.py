@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from geoloco.worker.client import CoordinatorUnreachable, JoinRefused, WorkerClient, WorkerOptions
 
-from geoloco.link_profile import LinkProfile
+from geoloco.profiles import LinkProfile
+from geoloco.transport import CoordinatorUnreachable, JoinRefused, parse_address
+from geoloco.worker.client import WorkerClient, WorkerOptions
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +62,10 @@ def _link(address: str, profile: str | None) -> Iterator[str]:
     if not profile:
         yield address
         return
-    from geoloco.link_emulator import RelayThread
+    from geoloco.links.emulator import RelayThread
 
-    host, _, port = address.rpartition(":")
     link = LinkProfile.parse(profile)
-    with RelayThread(target=(host, int(port)), profile=link, seed=0) as relay:
+    with RelayThread(target=parse_address(address), profile=link, seed=0) as relay:
         log.info("emulating link %s to %s through 127.0.0.1:%d", link, address, relay.port)
         yield f"127.0.0.1:{relay.port}"
 

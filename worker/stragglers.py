@@ -5,7 +5,7 @@ The models follow the straggler literature that gradient coding is evaluated aga
 "Pipelined gradient coding", arXiv 2607.20739): a fixed slow-down factor, a shifted
 exponential delay, a two-state bursty Markov chain, and a replayed recorded trace.
 
-Profiles are strings (config and CLI), parsed by ``parse_profile``::
+Profiles are strings (config and CLI), parsed by ``geoloco.profiles.parse_straggler_profile``::
 
     none                           no extra delay
     fixed:F                        extra = (F - 1) * compute            F >= 1
@@ -21,28 +21,12 @@ for the same round whatever order rounds are asked in.
 
 from __future__ import annotations
 
-import csv
-import json
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-PROFILE_FORMS = (
-    "none",
-    "fixed:FACTOR",
-    "exp:T0:MEAN",
-    "markov:P_SLOW:P_FAST:FACTOR",
-    "trace:PATH",
-)
-_KIND_ALIASES = {"shifted-exponential": "exp"}
-_ARITY = {"none": 0, "fixed": 1, "exp": 2, "markov": 3, "trace": 1}
-
-
-class StragglerProfileError(ValueError):
-    """A straggler profile string or trace file that cannot be used; the message says why."""
+from geoloco.profiles import load_trace_row, parse_straggler_profile
 
 
 class StragglerModel(ABC):
@@ -128,38 +112,11 @@ class TraceReplay(StragglerModel):
         return self.delays[round_index % len(self.delays)]
 
 
-@dataclass(frozen=True)
-class StragglerProfile:
-    """A parsed profile: ``kind`` is none, fixed, exp, markov or trace."""
-
-    kind: str
-    params: tuple[float, ...] = ()
-    path: str = ""
-
-
-def parse_profile(profile: str) -> StragglerProfile:
-    """Parse a profile string (see PROFILE_FORMS); raise StragglerProfileError if malformed."""
-    kind, _, rest = profile.strip().partition(":")
-    kind = _KIND_ALIASES.get(kind.lower(), kind.lower())
-    fields = rest.split(":") if rest else []
-    if kind not in _ARITY:
-        raise _form_error(profile, f"unknown kind {kind!r}")
-    if kind == "trace":
-        if not rest:
-            raise _form_error(profile, "trace needs a file path")
-        return StragglerProfile("trace", (), rest)
-    if len(fields) != _ARITY[kind]:
-        raise _form_error(profile, f"{kind} takes {_ARITY[kind]} value(s), got {len(fields)}")
-    params = tuple(_number(profile, f) for f in fields)
-    _check_ranges(profile, kind, params)
-    return StragglerProfile(kind, params)
-
-
 def make_straggler(profile: str, worker_id: int, seed: int) -> StragglerModel:
     """The straggler model of ``profile`` for one worker, deterministic given ``seed``."""
     if worker_id < 0 or seed < 0:
         raise ValueError(f"worker_id and seed must be >= 0, got worker_id={worker_id}, seed={seed}")
-    parsed = parse_profile(profile)
+    parsed = parse_straggler_profile(profile)
     p = parsed.params
     if parsed.kind == "fixed":
         return FixedSlowdown(p[0])
@@ -170,88 +127,6 @@ def make_straggler(profile: str, worker_id: int, seed: int) -> StragglerModel:
     if parsed.kind == "trace":
         return TraceReplay(tuple(load_trace_row(parsed.path, worker_id)))
     return NoStragglers()
-
-
-def load_trace(path: str | Path) -> list[list[float]]:
-    """An n x rounds table of extra delays (seconds): CSV rows, or a JSON list of lists."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise StragglerProfileError(f"cannot read straggler trace {str(path)!r}: {exc}") from exc
-    if path.suffix.lower() == ".json":
-        rows = _json_rows(path, text)
-    else:
-        rows = [row for row in csv.reader(text.splitlines()) if row and any(c.strip() for c in row)]
-    table = [[_trace_value(path, r, c, v) for c, v in enumerate(row)] for r, row in enumerate(rows)]
-    if not table or any(not row for row in table):
-        raise StragglerProfileError(f"straggler trace {str(path)!r} has an empty row or no rows")
-    return table
-
-
-def load_trace_row(path: str | Path, worker_id: int) -> list[float]:
-    """Worker ``worker_id``'s row of the trace at ``path``."""
-    table = load_trace(path)
-    if worker_id >= len(table):
-        raise StragglerProfileError(
-            f"straggler trace {str(path)!r} has rows for workers 0..{len(table) - 1}, "
-            f"not worker {worker_id}"
-        )
-    return table[worker_id]
-
-
-def _json_rows(path: Path, text: str) -> list[list[object]]:
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise StragglerProfileError(f"straggler trace {str(path)!r} is not JSON: {exc}") from exc
-    if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
-        raise StragglerProfileError(
-            f"straggler trace {str(path)!r} must be a JSON list of lists (workers x rounds)"
-        )
-    return rows
-
-
-def _trace_value(path: Path, row: int, col: int, value: object) -> float:
-    try:
-        delay = float(value.strip() if isinstance(value, str) else value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        delay = math.nan
-    if not math.isfinite(delay) or delay < 0:
-        raise StragglerProfileError(
-            f"straggler trace {str(path)!r} row {row} round {col}: {value!r} is not a "
-            f"finite delay >= 0 seconds"
-        )
-    return delay
-
-
-def _check_ranges(profile: str, kind: str, params: tuple[float, ...]) -> None:
-    if kind == "fixed" and params[0] < 1:
-        raise _form_error(profile, f"FACTOR must be >= 1, got {params[0]}")
-    if kind == "exp" and min(params) < 0:
-        raise _form_error(profile, f"T0 and MEAN must be >= 0, got {params}")
-    if kind == "markov":
-        p_slow, p_fast, factor = params
-        if not (0 <= p_slow <= 1 and 0 <= p_fast <= 1):
-            raise _form_error(profile, f"P_SLOW and P_FAST must be in [0, 1], got {p_slow}, {p_fast}")
-        if factor < 1:
-            raise _form_error(profile, f"FACTOR must be >= 1, got {factor}")
-
-
-def _number(profile: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise _form_error(profile, f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise _form_error(profile, f"{text!r} is not a finite number")
-    return value
-
-
-def _form_error(profile: str, why: str) -> StragglerProfileError:
-    return StragglerProfileError(
-        f"bad straggler profile {profile!r}: {why}; allowed forms: {', '.join(PROFILE_FORMS)}"
-    )
 
 
 def _round_rng(seed: int, worker_id: int, round_index: int) -> np.random.Generator:

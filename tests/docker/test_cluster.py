@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from dockerlab import Lab, wait_for
 
-from geoloco.link_profile import LinkProfile
+from geoloco.profiles import LinkProfile
 
 WORKERS = 4
 ROUNDS = 9

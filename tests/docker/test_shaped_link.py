@@ -1,4 +1,4 @@
-"""A worker container's shaped link, measured: `python -m geoloco.link_shaping apply` in a
+"""A worker container's shaped link, measured: `python -m geoloco.links.tc apply` in a
 container with NET_ADMIN, then bulk transfers both ways and echo round trips to a second
 container. The rate must come out within 15 % of the profile; the added delay too, from
 netem where the kernel has it and otherwise from the link emulator the plan hands over."""
@@ -11,8 +11,8 @@ import statistics
 import pytest
 from dockerlab import NETPROBE, wait_for
 
-from geoloco.link_profile import LinkProfile
-from geoloco.link_shaping import NETEM_UNAVAILABLE
+from geoloco.links.tc import NETEM_UNAVAILABLE
+from geoloco.profiles import LinkProfile
 
 PORT = 5201
 TOLERANCE = 0.15
@@ -26,8 +26,8 @@ RELAY_RTT = """
 import json, sys
 sys.path.insert(0, "/tmp")
 import netprobe
-from geoloco.link_emulator import RelayThread
-from geoloco.link_profile import LinkProfile
+from geoloco.links.emulator import RelayThread
+from geoloco.profiles import LinkProfile
 rtts = {{}}
 for name, profile in (("base", "unlimited"), ("emulated", "{profile}")):
     with RelayThread(target=("coordinator", {port}), profile=LinkProfile.parse(profile)) as relay:
@@ -66,7 +66,7 @@ def test_shaped_rate_both_ways_and_added_delay(pair, rate_qdisc: str) -> None:
     profile = LinkProfile.parse("16mbit/40ms/2ms" if rate_qdisc == "tbf" else "8mbit/25ms")
     base_rtt = _median_rtt(_probe(lab, worker, "rtt", RTT_SAMPLES)["rtt_s"])
 
-    out, err = lab.exec(worker, ["python", "-m", "geoloco.link_shaping", "apply", "--iface", "eth0",
+    out, err = lab.exec(worker, ["python", "-m", "geoloco.links.tc", "apply", "--iface", "eth0",
                                  "--profile", str(profile), "--rate-qdisc", rate_qdisc])
     applied = json.loads(out.splitlines()[-1])
     qdiscs, _ = lab.exec(worker, ["tc", "qdisc", "show"])
@@ -99,9 +99,9 @@ def test_shaped_rate_both_ways_and_added_delay(pair, rate_qdisc: str) -> None:
 
 def test_clear_restores_the_unshaped_link(pair) -> None:
     lab, worker = pair
-    lab.exec(worker, ["python", "-m", "geoloco.link_shaping", "apply", "--profile", "4mbit"])
+    lab.exec(worker, ["python", "-m", "geoloco.links.tc", "apply", "--profile", "4mbit"])
     slow = _probe(lab, worker, "upload", 2.5)["rate_bps"]
-    lab.exec(worker, ["python", "-m", "geoloco.link_shaping", "clear"])
+    lab.exec(worker, ["python", "-m", "geoloco.links.tc", "clear"])
     fast = _probe(lab, worker, "upload", 2.5)["rate_bps"]
     qdiscs, _ = lab.exec(worker, ["tc", "qdisc", "show", "dev", "eth0"])
     assert "tbf" not in qdiscs and "ingress" not in qdiscs
@@ -111,6 +111,6 @@ def test_clear_restores_the_unshaped_link(pair) -> None:
 def test_shaping_without_net_admin_fails_clearly(lab) -> None:
     net = lab.network("nocap")
     worker = lab.run("worker", net, entrypoint=["sleep", "infinity"], healthcheck=NO_HEALTHCHECK)
-    code, output = worker.exec_run(["python", "-m", "geoloco.link_shaping", "apply", "--profile", "10mbit"])
+    code, output = worker.exec_run(["python", "-m", "geoloco.links.tc", "apply", "--profile", "10mbit"])
     assert code == 3
     assert b"NET_ADMIN" in output and b"Operation not permitted" in output

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from geoloco.coordinator import checkpoint
 
-from geoloco.state import param_digest
+from geoloco.coordinator import checkpoint
+from geoloco.replica import param_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "integration"

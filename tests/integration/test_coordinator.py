@@ -14,14 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from geoloco import replica as state
+from geoloco import transport as wire
 from geoloco.compression import Compressor, Layout, decode_frame, encode_dense
+from geoloco.config import load_config
 from geoloco.coordinator.server import Coordinator
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from geoloco import state, wire
-from geoloco.config import load_config
 
 TOKEN = "test-token"
 RPC_TIMEOUT_S = 60.0

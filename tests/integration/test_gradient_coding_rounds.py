@@ -20,8 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from geoloco.coordinator.server import Coordinator
-from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 from run_processes import (
     ROOT,
     SMALL,
@@ -36,7 +34,9 @@ from run_processes import (
 )
 
 from geoloco.config import load_config
-from geoloco.wire import KEEPALIVE_S
+from geoloco.coordinator.server import Coordinator
+from geoloco.transport import KEEPALIVE_S
+from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}

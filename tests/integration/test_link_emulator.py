@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from geoloco.link_emulator import LinkEmulator, RelayThread
-from geoloco.link_profile import LinkProfile
+from geoloco.links.emulator import LinkEmulator, RelayThread
+from geoloco.profiles import LinkProfile
 
 LOCAL = "127.0.0.1"
 BULK = 2_000_000
@@ -302,7 +302,7 @@ def test_command_line_entry_point():
     async def run() -> tuple[str, str]:
         server, port = await _serve(_echo)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "geoloco.link_emulator", "--listen", f"{LOCAL}:0",
+            sys.executable, "-m", "geoloco.links.emulator", "--listen", f"{LOCAL}:0",
             "--target", f"{LOCAL}:{port}", "--profile", "20mbit/10ms",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )
@@ -322,7 +322,7 @@ def test_command_line_entry_point():
 
 def test_cli_rejects_a_bad_profile():
     result = subprocess.run(
-        [sys.executable, "-m", "geoloco.link_emulator", "--target", "127.0.0.1:1", "--profile", "fast"],
+        [sys.executable, "-m", "geoloco.links.emulator", "--target", "127.0.0.1:1", "--profile", "fast"],
         capture_output=True, text=True, timeout=10,
     )
     assert result.returncode == 2

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from geoloco.compression import Compressor, Layout, encode_dense
 from run_processes import (
     SMALL,
     Processes,
@@ -19,6 +18,7 @@ from run_processes import (
     worker_reports,
 )
 
+from geoloco.compression import Compressor, Layout, encode_dense
 from geoloco.config import load_config
 from geoloco.tasks import build_task
 

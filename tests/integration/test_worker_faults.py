@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from geoloco.coordinator.server import Coordinator
-from geoloco.worker.client import WorkerClient, WorkerOptions
 from run_processes import (
     SMALL,
     TOKEN,
@@ -27,7 +25,9 @@ from run_processes import (
 )
 
 from geoloco.config import load_config
-from geoloco.state import param_digest
+from geoloco.coordinator.server import Coordinator
+from geoloco.replica import param_digest
+from geoloco.worker.client import WorkerClient, WorkerOptions
 
 pytestmark = pytest.mark.slow
 WORKERS = 3

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from geoloco.compression import (
     Compressor,
     FrameError,

@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
-from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, kernels
-from geoloco.compression.layout import ChunkGrid, kept_per_chunk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, kernels
+from geoloco.compression.layout import ChunkGrid, kept_per_chunk
 
 shapes = st.one_of(
     st.just(()),

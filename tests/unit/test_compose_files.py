@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from geoloco.config import load_config
-from geoloco.link_profile import LinkProfile
+from geoloco.profiles import LinkProfile
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

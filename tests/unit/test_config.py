@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from geoloco.config import ConfigError, RunConfig, load_config
-from geoloco.link_profile import LinkProfile, LinkProfileError
+from geoloco.profiles import LinkProfile, LinkProfileError
 
 
 def test_defaults_are_valid_and_resolve_outer_by_method() -> None:
@@ -99,7 +99,6 @@ def test_bad_link_profiles(text: str) -> None:
 
 def test_tile_limit_is_the_frame_format_limit() -> None:
     from geoloco.compression.frame import MAX_TILE as FRAME_MAX_TILE
-
     from geoloco.config import MAX_TILE
 
     assert MAX_TILE == FRAME_MAX_TILE

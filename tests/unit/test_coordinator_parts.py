@@ -7,13 +7,13 @@ import time
 
 import pytest
 import torch
+
 from geoloco.compression import Layout, decode_frame, encode_dense
+from geoloco.config import OuterConfig
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.outer import DiLoCoOuter, SparseLoCoOuter, apply_update, mean_weights
 from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, RoundError, RoundState
-
-from geoloco.config import OuterConfig
 
 SHAPES = {"w": (8, 8), "b": (5,)}
 

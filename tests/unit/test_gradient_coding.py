@@ -8,6 +8,7 @@ from itertools import combinations
 
 import numpy as np
 import pytest
+
 from geoloco.coordinator.gradient_coding import (
     CR_SEED_CANDIDATES,
     DECODE_TOLERANCE,

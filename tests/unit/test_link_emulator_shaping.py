@@ -1,12 +1,12 @@
-"""The link emulator's shaping parts without sockets (geoloco.link_emulator): token bucket
+"""The link emulator's shaping parts without sockets (geoloco.links.emulator): token bucket
 timing, stall credit, and the bounds and determinism of the jitter samples."""
 
 from __future__ import annotations
 
 import pytest
 
-from geoloco.link_emulator import DelayLine, Direction, TokenBucket
-from geoloco.link_profile import LinkProfile
+from geoloco.links.emulator import DelayLine, Direction, TokenBucket
+from geoloco.profiles import LinkProfile
 
 
 def test_token_bucket_passes_a_burst_then_paces_at_the_rate():

@@ -1,21 +1,16 @@
-"""tc command building for the container link shaping (geoloco.link_shaping): the netem,
-tbf, htb and ifb paths, clear, the netem fallback decision, and the Join of a container's
-worker against a real gRPC server on loopback. No root needed: nothing here runs tc."""
+"""tc command building for the container link shaping (geoloco.links.tc): the netem,
+tbf, htb and ifb paths, clear and the netem fallback decision. No root needed: nothing
+here runs tc."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Sequence
-from concurrent import futures
-from pathlib import Path
 
-import grpc
 import pytest
-from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
 
-from geoloco import link_shaping as ls
-from geoloco.link_profile import LinkProfile
+from geoloco.links import tc as ls
+from geoloco.profiles import LinkProfile
 
 FULL = LinkProfile.parse("20mbit/50ms/5ms/0.1%")
 
@@ -173,7 +168,7 @@ def test_probe_decides_netem_from_the_kernel_answer() -> None:
 
 def test_shape_without_netem_clears_probes_then_applies_the_rate_only_plan(caplog) -> None:
     runner = RecordingRunner(fail=("netem",))
-    with caplog.at_level("WARNING", logger="geoloco.link_shaping"):
+    with caplog.at_level("WARNING", logger="geoloco.links.tc"):
         plan = ls.shape("eth0", FULL, run=runner)
     assert runner.calls[:3] == ls.clear_commands("eth0")
     assert runner.calls[3] == ls.netem_probe_commands("eth0")[0]
@@ -204,48 +199,3 @@ def test_dry_run_prints_the_plan(capsys) -> None:
 def test_cli_rejects_a_bad_profile() -> None:
     code = ls.main(["apply", "--iface", "eth0", "--profile", "20mbps", "--dry-run"])
     assert code == ls.EXIT_SHAPING_FAILED
-
-
-def test_identity_file_round_trip(tmp_path: Path) -> None:
-    ident = ls.Identity(worker_id=3, session="s3", wan_profile="20mbit/50ms", straggler_profile="fixed:2",
-                        emulate="unlimited/50ms/0ms")
-    path = tmp_path / "run" / "identity.json"
-    ident.write(path)
-    assert ls.Identity(**json.loads(path.read_text())) == ident
-    assert not path.with_name("identity.json.tmp").exists()
-
-
-class JoinOnly(geoloco_pb2_grpc.CoordinatorServicer):
-    """A coordinator that only answers Join: worker 2 for the right token."""
-
-    def Join(self, request, context):  # noqa: N802 - gRPC method name
-        if request.token != "right":
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad token")
-        return geoloco_pb2.JoinReply(worker_id=2, session="abc", wan_profile="10mbit/30ms",
-                                     straggler_profile="exp:0.1:0.5")
-
-
-@pytest.fixture
-def join_server():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(JoinOnly(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
-
-
-def test_join_returns_the_assigned_identity(join_server: str) -> None:
-    ident = ls.join_coordinator(join_server, "right", timeout_s=10)
-    assert (ident.worker_id, ident.session, ident.wan_profile, ident.straggler_profile) == (
-        2, "abc", "10mbit/30ms", "exp:0.1:0.5")
-
-
-def test_join_refusal_is_not_retried(join_server: str) -> None:
-    with pytest.raises(ls.LinkShapingError, match="PERMISSION_DENIED: bad token"):
-        ls.join_coordinator(join_server, "wrong", timeout_s=10)
-
-
-def test_join_gives_up_on_an_unreachable_coordinator() -> None:
-    with pytest.raises(ls.LinkShapingError, match="unreachable"):
-        ls.join_coordinator("127.0.0.1:1", "right", timeout_s=1.0)

@@ -8,9 +8,9 @@ import hashlib
 
 import pytest
 import torch
-from geoloco.compression import Compressor, Layout, apply_frames, decode_frame
 
-from geoloco.state import apply_round, param_digest
+from geoloco.compression import Compressor, Layout, apply_frames, decode_frame
+from geoloco.replica import apply_round, param_digest
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:

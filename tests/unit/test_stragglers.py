@@ -7,13 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from geoloco.worker.stragglers import (
-    MarkovBursty,
-    StragglerProfile,
-    StragglerProfileError,
-    make_straggler,
-    parse_profile,
-)
+
+from geoloco.profiles import StragglerProfile, StragglerProfileError
+from geoloco.profiles import parse_straggler_profile as parse_profile
+from geoloco.worker.stragglers import MarkovBursty, make_straggler
 
 ROUNDS = 20_000
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from geoloco.worker.trainer import InnerTrainer, lr_at, resolve_device
 
 from geoloco.config import InnerConfig, TaskConfig
 from geoloco.tasks import build_task
+from geoloco.worker.trainer import InnerTrainer, lr_at, resolve_device
 
 TASK = TaskConfig(model="gpt-tiny", seq_len=32, batch_size=4, val_batches=2, corpus_bytes=200_000)
 

@@ -20,7 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from geoloco.link_profile import LinkProfile, LinkProfileError
+from geoloco.profiles import LinkProfile, LinkProfileError
+from geoloco.transport import AddressError, parse_address
 
 log = logging.getLogger(__name__)
 
@@ -333,10 +334,10 @@ class RelayThread:
 
 
 def _address(text: str) -> Address:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with PORT in 0..65535")
-    return host, int(port)
+    try:
+        return parse_address(text)
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _profile(text: str) -> LinkProfile:
@@ -348,7 +349,7 @@ def _profile(text: str) -> LinkProfile:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m geoloco.link_emulator",
+        prog="python -m geoloco.links.emulator",
         description="Relay TCP from --listen to --target through an emulated WAN link "
         "(rate, one-way delay, jitter; both directions). Loss is ignored on a TCP relay.",
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from geoloco.config import RunConfig
-from geoloco.link_emulator import RelayThread
+from geoloco.links.emulator import RelayThread
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,11 @@ Egress (``root``) gets ``netem`` (when the kernel has it) chained with the rate 
 ingress is redirected (``u32`` match-all + ``mirred egress redirect``) to ``ifb0``, whose
 root gets the same chain, so both directions see the profile and the round trip adds
 2 x delay, as ``LinkProfile.rtt_s`` says. Kernels without ``netem`` keep the rate shaping
-only; the delay and jitter then come from the link emulator (``geoloco.link_emulator``),
+only; the delay and jitter then come from the link emulator (``geoloco.links.emulator``),
 which the worker runs in process with the profile returned as ``ShapingPlan.emulate``.
 
-The command builders are pure functions (argv lists); ``apply_plan`` runs them. The CLI
-also performs the Join for a container's worker (``join-and-apply``), so the profile the
-coordinator assigns by worker id is in place before the worker process starts.
+The command builders are pure functions (argv lists); ``apply_plan`` runs them. No gRPC
+here: the container's worker joins first (``geoloco.worker.container``), then shapes.
 """
 
 from __future__ import annotations
@@ -19,18 +18,14 @@ import argparse
 import json
 import logging
 import math
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from geoloco.link_profile import LinkProfile, LinkProfileError
+from geoloco.profiles import LinkProfile, LinkProfileError
 
-log = logging.getLogger("geoloco.link_shaping")
+log = logging.getLogger(__name__)
 
 IFB_DEVICE = "ifb0"
 RATE_QDISCS = ("tbf", "htb")
@@ -245,82 +240,11 @@ def shape(iface: str, profile: LinkProfile, rate_qdisc: str = "tbf", netem: bool
     return plan
 
 
-# ---------------------------------------------------------------------------- join
-
-
-@dataclass
-class Identity:
-    """What the coordinator assigned at Join; the worker reclaims this id and session."""
-
-    worker_id: int
-    session: str
-    wan_profile: str
-    straggler_profile: str
-    emulate: str | None = None
-
-    def write(self, path: Path, owner: str | None = None) -> None:
-        """Write atomically as JSON; hand the file to ``owner`` (a user name) if given."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.__dict__, indent=2) + "\n")
-        if owner is not None:
-            import pwd
-
-            user = pwd.getpwnam(owner)
-            os.chown(tmp, user.pw_uid, user.pw_gid)
-            os.chown(path.parent, user.pw_uid, user.pw_gid)
-        os.replace(tmp, path)
-
-
-RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-
-
-def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Identity:
-    """Join ``address`` once (retrying with backoff 0.5 s doubling to 10 s while it is not
-    up) and return the assigned identity; a refusal (bad token, full run) raises."""
-    import grpc
-
-    from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
-    from geoloco.wire import CHANNEL_OPTIONS
-
-    request = geoloco_pb2.JoinRequest(token=token, capabilities=geoloco_pb2.Capabilities(
-        device="pending", hostname=socket.gethostname(), version=_version(), threads=1))
-    deadline = time.monotonic() + timeout_s
-    backoff, attempt = 0.5, 0
-    while True:
-        attempt += 1
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            try:
-                reply = geoloco_pb2_grpc.CoordinatorStub(channel).Join(request, timeout=10.0)
-                return Identity(worker_id=reply.worker_id, session=reply.session,
-                                wan_profile=reply.wan_profile, straggler_profile=reply.straggler_profile)
-            except grpc.RpcError as exc:
-                code = exc.code().name if exc.code() else "UNKNOWN"
-                if code not in RETRYABLE_CODES:
-                    raise LinkShapingError(f"join {address} refused: {code}: {exc.details()}") from None
-                if time.monotonic() + backoff > deadline:
-                    raise LinkShapingError(
-                        f"coordinator {address} unreachable for {timeout_s:g} s ({attempt} attempts)") from None
-                log.info("coordinator %s not reachable yet (%s), attempt %d; retrying in %.1f s",
-                         address, code, attempt, backoff)
-        time.sleep(backoff)
-        backoff = min(2 * backoff, 10.0)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("geoloco")
-    except Exception:  # noqa: BLE001 - an uninstalled checkout still joins
-        return "unknown"
-
-
 # ---------------------------------------------------------------------------- CLI
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m geoloco.link_shaping apply|clear|join-and-apply``; returns the exit code."""
+    """``python -m geoloco.links.tc apply|clear``; returns the exit code."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -332,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m geoloco.link_shaping", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m geoloco.links.tc", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     apply_p = sub.add_parser("apply", help="shape IFACE to PROFILE (both directions)")
     apply_p.add_argument("--profile", required=True, help="e.g. 20mbit/50ms/5ms/0.1%%")
@@ -342,17 +266,9 @@ def _parser() -> argparse.ArgumentParser:
     clear_p = sub.add_parser("clear", help="remove all shaping from IFACE")
     clear_p.add_argument("--dry-run", action="store_true", help="print the commands only")
     clear_p.set_defaults(run=_cmd_clear)
-    join_p = sub.add_parser("join-and-apply", help="join the coordinator, write the identity file, "
-                            "shape IFACE to the assigned profile")
-    join_p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    join_p.add_argument("--token", required=True)
-    join_p.add_argument("--identity-file", required=True, type=Path)
-    join_p.add_argument("--owner", help="user to own the identity file (the worker's user)")
-    join_p.add_argument("--timeout", type=float, default=120.0, help="give up joining after this long")
-    join_p.set_defaults(run=_cmd_join_and_apply)
-    for p in (apply_p, clear_p, join_p):
+    for p in (apply_p, clear_p):
         p.add_argument("--iface", default="eth0", help="interface to shape (default eth0)")
-    for p in (apply_p, join_p):
+    for p in (apply_p,):
         p.add_argument("--rate-qdisc", choices=RATE_QDISCS, default="tbf", help="rate limiter (default tbf)")
         p.add_argument("--netem", choices=("auto", "yes", "no"), default="auto",
                        help="use netem: auto probes the kernel (dry run: assumes yes)")
@@ -389,23 +305,6 @@ def _cmd_clear(args: argparse.Namespace) -> int:
         return 0
     clear(args.iface)
     log.info("cleared shaping on %s", args.iface)
-    return 0
-
-
-def _cmd_join_and_apply(args: argparse.Namespace) -> int:
-    if args.identity_file.is_file():  # a restarted container: same id, shape again
-        identity = Identity(**json.loads(args.identity_file.read_text()))
-        log.info("reusing %s: worker %d", args.identity_file, identity.worker_id)
-    else:
-        identity = join_coordinator(args.coordinator, args.token, args.timeout)
-        log.info("joined %s as worker %d: link %s, straggler %s", args.coordinator,
-                 identity.worker_id, identity.wan_profile or "unlimited",
-                 identity.straggler_profile or "none")
-    plan = shape(args.iface, LinkProfile.parse(identity.wan_profile or "unlimited"), args.rate_qdisc,
-                 _netem_choice(args), not args.no_ingress)
-    identity = replace(identity, emulate=str(plan.emulate) if plan.emulate else None)
-    identity.write(args.identity_file, args.owner)
-    log.info("identity written to %s", args.identity_file)
     return 0
 
 

@@ -1,0 +1,109 @@
+"""The gRPC transport both sides share: message limits and keepalive, chunking of payloads,
+``HOST:PORT`` parsing, and the one Join-with-backoff client (round protocol:
+docs/protocol.md; wire: protos/geoloco.proto)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # payload bytes per gRPC message (frames and state are chunked)
+MAX_MESSAGE_BYTES = 4 << 20  # explicit limit on both sides: one chunk plus its header fits
+KEEPALIVE_S = 5.0  # Rounds streams send a Keepalive this often when idle
+
+BACKOFF_START_S = 0.5  # first retry delay of Join; doubles up to BACKOFF_MAX_S
+BACKOFF_MAX_S = 10.0
+JOIN_CALL_TIMEOUT_S = 10.0  # one Join attempt; a dead address fails much faster
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+_COMMON_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# Servers must accept the clients' keepalive pings, or they answer with GOAWAY.
+SERVER_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+]
+
+CHANNEL_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.enable_retries", 0),
+]
+
+Reply = TypeVar("Reply")
+
+
+class AddressError(ValueError):
+    """A ``HOST:PORT`` string that cannot be used; the message says which part is wrong."""
+
+
+class JoinRefused(RuntimeError):
+    """The coordinator answered Join with an error (wrong token, no free slot, run over)."""
+
+
+class CoordinatorUnreachable(RuntimeError):
+    """Join kept failing with a retryable error for longer than the timeout."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``(host, port)`` from ``HOST:PORT`` (``[::1]:50051`` for IPv6); port 0..65535."""
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise AddressError(f"{text!r} is not HOST:PORT with PORT in 0..65535")
+    return host, int(port)
+
+
+def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Slices of at most ``size`` bytes, in order; nothing for empty data."""
+    view = memoryview(data)
+    for start in range(0, len(view), size):
+        yield bytes(view[start : start + size])
+
+
+def insecure_channel(address: str) -> grpc.Channel:
+    """A channel to ``address`` with the shared options."""
+    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeout_s: float,
+                      sleep: Callable[[float], None] = time.sleep) -> tuple[Reply, grpc.Channel]:
+    """Call ``join(channel)`` on a fresh channel to ``address`` until it answers, retrying
+    UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff (BACKOFF_START_S doubling
+    to BACKOFF_MAX_S, one log line per attempt) for up to ``timeout_s``. Returns the reply
+    and the open channel that got it. Any other error raises JoinRefused; running out of
+    time raises CoordinatorUnreachable."""
+    start, delay, attempt = time.monotonic(), BACKOFF_START_S, 0
+    while True:
+        attempt += 1
+        channel = insecure_channel(address)
+        try:
+            return join(channel), channel
+        except grpc.RpcError as exc:
+            channel.close()
+            if exc.code() not in RETRYABLE:
+                raise JoinRefused(f"coordinator at {address} refused Join: "
+                                  f"{exc.code().name}: {exc.details()}") from None
+            elapsed = time.monotonic() - start
+            left = timeout_s - elapsed
+            if left <= 0:
+                raise CoordinatorUnreachable(
+                    f"coordinator at {address} unreachable after {attempt} attempts in "
+                    f"{elapsed:.1f}s (timeout {timeout_s:g}s); check the address and that the "
+                    "coordinator is running") from None
+            wait = min(delay, left)
+            log.warning("join attempt %d to %s failed (%s); retrying in %.1fs", attempt, address,
+                        exc.code().name, wait)
+            sleep(wait)
+            delay = min(delay * 2, BACKOFF_MAX_S)

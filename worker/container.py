@@ -1,0 +1,131 @@
+"""The root step of a worker container: join the coordinator (which assigns the worker id
+and with it the worker's WAN profile), shape the container's link to that profile with
+``tc`` (geoloco.links.tc), and write the identity file that the unprivileged worker
+process then reclaims. ``python -m geoloco.worker.container --coordinator HOST:PORT ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+
+from geoloco import transport
+from geoloco.links import tc
+from geoloco.profiles import LinkProfile, LinkProfileError
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.transport import CoordinatorUnreachable, JoinRefused
+
+log = logging.getLogger(__name__)
+
+EXIT_FAILED = 3
+
+
+@dataclass
+class Identity:
+    """What the coordinator assigned at Join; the worker reclaims this id and session."""
+
+    worker_id: int
+    session: str
+    wan_profile: str
+    straggler_profile: str
+    emulate: str | None = None
+
+    def write(self, path: Path, owner: str | None = None) -> None:
+        """Write atomically as JSON, readable by its owner only; hand the file to ``owner``
+        (a user name) if given."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(self.__dict__, indent=2) + "\n")
+        if owner is not None:
+            import pwd
+
+            user = pwd.getpwnam(owner)
+            os.chown(tmp, user.pw_uid, user.pw_gid)
+            os.chown(path.parent, user.pw_uid, user.pw_gid)
+        os.replace(tmp, path)
+
+
+def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Identity:
+    """Join ``address`` once (transport.join_with_backoff while it is not up) and return
+    the assigned identity; a refusal (bad token, full run) raises JoinRefused."""
+    request = pb.JoinRequest(token=token, capabilities=pb.Capabilities(
+        device="pending", hostname=socket.gethostname(), version=_version(), threads=1))
+
+    def call(channel: grpc.Channel) -> pb.JoinReply:
+        return pb_grpc.CoordinatorStub(channel).Join(request, timeout=transport.JOIN_CALL_TIMEOUT_S)
+
+    reply, channel = transport.join_with_backoff(address, call, timeout_s)
+    channel.close()
+    return Identity(worker_id=reply.worker_id, session=reply.session,
+                    wan_profile=reply.wan_profile, straggler_profile=reply.straggler_profile)
+
+
+def join_and_shape(args: argparse.Namespace) -> Identity:
+    """Join (or reuse the identity a restarted container already has), shape the link,
+    write the identity with what the link emulator must still do."""
+    if args.identity_file.is_file():  # a restarted container: same id, shape again
+        identity = Identity(**json.loads(args.identity_file.read_text()))
+        log.info("reusing %s: worker %d", args.identity_file, identity.worker_id)
+    else:
+        identity = join_coordinator(args.coordinator, args.token, args.timeout)
+        log.info("joined %s as worker %d: link %s, straggler %s", args.coordinator,
+                 identity.worker_id, identity.wan_profile or "unlimited",
+                 identity.straggler_profile or "none")
+    netem = {"auto": None, "yes": True, "no": False}[args.netem]
+    plan = tc.shape(args.iface, LinkProfile.parse(identity.wan_profile or "unlimited"),
+                    args.rate_qdisc, netem, not args.no_ingress)
+    identity = replace(identity, emulate=str(plan.emulate) if plan.emulate else None)
+    identity.write(args.identity_file, args.owner)
+    log.info("identity written to %s", args.identity_file)
+    return identity
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m geoloco.worker.container",
+                                description="Join the coordinator, shape IFACE to the assigned "
+                                "WAN profile, write the identity file.")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--token", required=True)
+    p.add_argument("--identity-file", required=True, type=Path)
+    p.add_argument("--owner", help="user to own the identity file (the worker's user)")
+    p.add_argument("--timeout", type=float, default=120.0, help="give up joining after this long")
+    p.add_argument("--iface", default="eth0", help="interface to shape (default eth0)")
+    p.add_argument("--rate-qdisc", choices=tc.RATE_QDISCS, default="tbf", help="rate limiter (default tbf)")
+    p.add_argument("--netem", choices=("auto", "yes", "no"), default="auto",
+                   help="use netem: auto probes the kernel")
+    p.add_argument("--no-ingress", action="store_true", help="shape egress only")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        join_and_shape(args)
+    except (tc.LinkShapingError, LinkProfileError, JoinRefused, CoordinatorUnreachable) as exc:
+        log.error("%s", exc)
+        return EXIT_FAILED
+    return 0
+
+
+def _version() -> str:
+    from geoloco import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
