@@ -1,4 +1,4 @@
-"""Loss parity at equal tokens and seeds (issue 3): SparseLoCo and dense DiLoCo through the
+"""Loss parity at equal tokens and seeds: SparseLoCo and dense DiLoCo through the
 local launcher, and plain single-process AdamW seeing the same batches (every partition's
 batch of a step at once, so the same tokens in rounds x H steps). Prints a table, then one
 JSON line with ratio = sparseloco / diloco validation loss (target <= 1.02; the SparseLoCo

@@ -1,4 +1,4 @@
-"""SparseLoCo against dense DiLoCo on the same task and emulated WAN links (issue 3), side by
+"""SparseLoCo against dense DiLoCo on the same task and emulated WAN links, side by
 side in one run: 4 workers behind 20 Mbit/s, 50 ms links, in a regime where sending the
 dense fp32 pseudo-gradient takes at least 10x the inner-loop compute. Prints a table, then
 one JSON line (docs/benchmarks.md explains the regime and the figures).
@@ -111,7 +111,7 @@ def limit_s(m: dict[str, Any], link: LinkProfile) -> float:
 
 
 def report(sparse: dict[str, Any], dense: dict[str, Any], link: LinkProfile) -> dict[str, Any]:
-    """The JSON line: the six figures of issue 3, then context fields."""
+    """The JSON line: the headline figures, then context fields."""
     dense_send_s = sparse["dense_fp32_bytes"] * 8.0 / link.rate_bps
     limit = limit_s(sparse, link)
     return {

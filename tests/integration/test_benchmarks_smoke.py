@@ -1,5 +1,5 @@
-"""The two issue-3 benchmarks run end to end in their ``--quick`` form and end with one JSON
-line holding the figures the issue names. Plumbing only: the numbers of a quick run are not
+"""The training-service benchmarks (wan, parity) run end to end in their ``--quick`` form and end with one JSON
+line holding the figures they promise. Plumbing only: the numbers of a quick run are not
 measurements (docs/benchmarks.md has those)."""
 
 from __future__ import annotations
