@@ -186,7 +186,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     if args.wan_emulate:
         _check_profile(args.wan_emulate)
-    from geoloco.worker.main import run_worker
+    from geoloco.worker.app import run_worker
 
     return run_worker(
         cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,

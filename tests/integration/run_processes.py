@@ -90,9 +90,9 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: f
 
 def run_worker_threads(coordinator: Any, workers: list[Any], timeout: float,
                        started: Callable[[int], None] | None = None) -> dict[int, int]:
-    """Run in-process workers (objects with ``run()`` and ``close()``, such as subclasses of
-    WorkerClient that inject a fault) on threads until the coordinator's run ends; then
-    close them and stop the coordinator. started(i), if given, runs after worker i's
+    """Run in-process workers (objects with ``run()`` and ``close()``, such as a
+    geoloco.worker.loop.Worker over a FaultySession) on threads until the coordinator's run
+    ends; then close them and stop the coordinator. started(i), if given, runs after worker i's
     thread starts. Returns each worker's exit code by position."""
     codes: dict[int, int] = {}
     threads = []

@@ -35,8 +35,9 @@ from run_processes import (
 
 from geoloco.config import load_config
 from geoloco.coordinator.server import Coordinator
-from geoloco.transport import KEEPALIVE_S
-from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
+from geoloco.worker.faults import Fault, FaultySession
+from geoloco.worker.loop import Worker
+from geoloco.worker.session import Session
 
 pytestmark = pytest.mark.slow
 CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}
@@ -138,21 +139,6 @@ def test_gc_cr_three_workers_trains_two_partitions_and_finishes(processes: Proce
     check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(3)), rounds)
 
 
-class LatePusher(WorkerClient):
-    """A real worker that pushes without looking at the Rounds stream, and only after the
-    coordinator has closed the round, as one whose results reach it late would: every
-    frame it sends is late."""
-
-    coordinator: Coordinator
-
-    def _round_step(self) -> RoundResult | None:
-        if self.frame is None and self._has_work():
-            self._compute()
-            wait_until(lambda: self.coordinator.open_round() > self.round, 60, "the round to close")
-            self._push()
-        return self._poll(KEEPALIVE_S)
-
-
 def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> None:
     rounds = 3
     cfg = load_config(overrides={**CODED, "workers": "2", "rounds": str(rounds), "coding.scheme": "pgc-fr",
@@ -160,11 +146,11 @@ def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> Non
                                  "coordinator.deadline_s": "60"})
     coordinator = Coordinator(cfg, tmp_path / "run")
     port = coordinator.start()
-    options = [WorkerOptions(address=f"127.0.0.1:{port}", token=TOKEN, device="cpu", connect_timeout_s=30,
-                             report_dir=tmp_path / "reports") for _ in range(2)]
-    late = LatePusher(options[1])
-    late.coordinator = coordinator
-    workers = [WorkerClient(options[0]), late]
+    address = f"127.0.0.1:{port}"
+    # worker 1 pushes only once the round has closed, without looking at the Rounds stream
+    # first, as one whose frames reach the coordinator late would: every frame it sends is late
+    late = FaultySession(address, TOKEN, 30, fault=Fault.LATE_PUSH)
+    workers = [Worker(s, device="cpu", report_dir=tmp_path / "reports") for s in (Session(address, TOKEN, 30), late)]
 
     def first_joins_first(i: int) -> None:  # the punctual worker joins first and gets id 0
         if i == 0:
@@ -175,7 +161,8 @@ def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> Non
     lines = metrics(tmp_path / "run")
     assert all(m["arrived"] == [0] and m["chosen"] == [0] for m in lines), lines
     assert coordinator.totals.late_frames == rounds  # one late frame a round, from worker 1
-    assert late.stats["rejected_pushes"] == rounds
+    assert late.fired == list(range(rounds))
+    assert workers[1].counters.rejected_pushes == rounds
     assert coordinator.totals.rejected_frames == 0
 
 

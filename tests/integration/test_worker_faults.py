@@ -2,7 +2,8 @@
 one log line per attempt, non-zero exit), a worker SIGKILLed mid-run (the round closes at
 its deadline, the others finish), and a coordinator restarted with ``--resume`` (the
 workers reclaim their ids, resync and finish on the coordinator's digest), and a replica
-that drifts (digest mismatch: it fetches the state again and finishes in step)."""
+that drifts (a session that flips a parameter: the digest mismatch makes the worker fetch
+the state again and finish in step)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from run_processes import (
     SMALL,
     TOKEN,
@@ -27,7 +27,9 @@ from run_processes import (
 from geoloco.config import load_config
 from geoloco.coordinator.server import Coordinator
 from geoloco.replica import param_digest
-from geoloco.worker.client import WorkerClient, WorkerOptions
+from geoloco.worker.faults import Fault, FaultySession
+from geoloco.worker.loop import Worker
+from geoloco.worker.session import Session
 
 pytestmark = pytest.mark.slow
 WORKERS = 3
@@ -132,29 +134,19 @@ def test_restarted_coordinator_with_resume_lets_workers_reclaim_and_finish(
     assert "rejoined as worker" in processes.log("worker-0")
 
 
-class DriftingWorker(WorkerClient):
-    """A real worker whose replica drifts once: after applying round ``drift_round`` it
-    flips a parameter, as a bad memory bit or a non-deterministic kernel would."""
-
-    drift_round = 0
-
-    def _apply_frames(self, result) -> bool:
-        if result.header.round == self.drift_round and not self.stats["resyncs"]:
-            with torch.no_grad():
-                self.theta[0].view(-1)[0] += 1e-3
-        return super()._apply_frames(result)
-
-
 def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Path) -> None:
     cfg = load_config(overrides={**SMALL, "workers": "2", "rounds": "3", "coordinator.listen": "127.0.0.1:0",
                                  "coordinator.checkpoint_every": "0", "coordinator.deadline_s": "120"})
     coordinator = Coordinator(cfg, tmp_path / "run")
     port = coordinator.start()
-    options = [WorkerOptions(address=f"127.0.0.1:{port}", token=TOKEN, device="cpu",
-                             connect_timeout_s=30, report_dir=tmp_path / "reports") for _ in range(2)]
-    workers = [DriftingWorker(options[0]), WorkerClient(options[1])]
+    address = f"127.0.0.1:{port}"
+    # one replica drifts once: a parameter flips as it applies round 0
+    drifting = FaultySession(address, TOKEN, 30, fault=Fault.FLIP_PARAMETER, rounds=[0])
+    sessions = [drifting, Session(address, TOKEN, 30)]
+    workers = [Worker(s, device="cpu", report_dir=tmp_path / "reports") for s in sessions]
     codes = run_worker_threads(coordinator, workers, 180)
     assert codes == {0: 0, 1: 0}
+    assert drifting.fired == [0]
     digest = param_digest(coordinator.params)
     reports = worker_reports(tmp_path / "reports")
     assert sorted(r["resyncs"] for r in reports.values()) == [0, 1]

@@ -1,5 +1,6 @@
-"""Entry point of one worker process: optional in-process link emulation in front of the
-coordinator address, then the worker client until the run finishes (exit 0) or fails.
+"""Entry point of one worker process (``geoloco worker``): an optional link emulator relay
+in front of the coordinator address, then the round loop until the run finishes (exit 0),
+fails (1) or is interrupted (130).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from geoloco.profiles import LinkProfile
 from geoloco.transport import CoordinatorUnreachable, JoinRefused, parse_address
-from geoloco.worker.client import WorkerClient, WorkerOptions
+from geoloco.worker.loop import Worker
+from geoloco.worker.session import Session, read_identity
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,12 @@ def run_worker(
     torch.set_num_threads(threads)
     if wait_for is not None:
         _wait_for_file(Path(wait_for))
-    options = WorkerOptions(address=coordinator, token=token, device=device,
-                            connect_timeout_s=connect_timeout_s,
-                            report_dir=Path(report_dir) if report_dir else None,
-                            identity_file=Path(identity_file) if identity_file else None)
     try:
+        identity = read_identity(Path(identity_file)) if identity_file else None
         with _link(coordinator, wan_emulate) as address:
-            options.address = address
-            return WorkerClient(options).run()
+            session = Session(address, token, connect_timeout_s, identity)
+            worker = Worker(session, device, Path(report_dir) if report_dir else None)
+            return worker.run()
     except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError) as exc:
         log.error("worker failed: %s", exc)
         return EXIT_FAILED

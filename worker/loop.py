@@ -1,0 +1,322 @@
+"""The worker's round loop (docs/protocol.md, steps 4 to 6): from θ_r train the task's
+partitions (H inner AdamW steps each, DiLoCo/SparseLoCo, arXiv 2508.15706), confirm θ_r's
+digest, encode, push, then apply the round's result; every call to the coordinator goes
+through a geoloco.worker.session.Session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from geoloco import transport
+from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
+from geoloco.config import RunConfig, validate
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.replica import param_digest
+from geoloco.tasks import build_task
+from geoloco.transport import CoordinatorUnreachable, JoinRefused
+from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.partitions import LatestDeltas
+from geoloco.worker.session import Push, Session, State
+from geoloco.worker.stragglers import StragglerModel, make_straggler
+from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
+from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """What worker-<id>.json reports beside the status (the launcher sums the resyncs)."""
+
+    resyncs: int = 0
+    rejected_pushes: int = 0
+    reconnects: int = 0
+    bytes_pushed: int = 0
+    bytes_received: int = 0
+    rounds_applied: int = 0
+
+
+@dataclass
+class Training:
+    """What the first Join's run config builds: the inner trainer (the model on the training
+    device), the parameter layout, the frame encoder, the straggler model, and the latest
+    pseudo-gradient of every partition."""
+
+    cfg: RunConfig
+    trainer: InnerTrainer
+    layout: Layout
+    encoder: FrameEncoder
+    straggler: StragglerModel
+    deltas: LatestDeltas = field(default_factory=LatestDeltas)
+
+    @classmethod
+    def from_join(cls, reply: pb.JoinReply, device: torch.device) -> Training:
+        """Built from the run config the coordinator sent; the codec is warmed before round 0."""
+        cfg = validate(RunConfig.from_dict(json.loads(reply.run_config_json)))
+        trainer = InnerTrainer(build_task(cfg.task, cfg.workers, seed=cfg.seed), cfg.inner, cfg.rounds, device)
+        layout = Layout.from_named_tensors(trainer.model.named_parameters())
+        if reply.layout_digest and reply.layout_digest != layout.digest:
+            raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
+                              f"{layout.digest.hex()}; run the same geoloco version on both sides")
+        straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
+        encoder = FrameEncoder(layout, cfg.compression)
+        encoder.warm_up()
+        return cls(cfg, trainer, layout, encoder, straggler)
+
+
+@dataclass
+class Trained:
+    """One round's inner loops: the partitions trained, their time and mean loss."""
+
+    partitions: list[int]
+    compute_s: float
+    loss: float
+
+
+class Worker:
+    """One worker: θ, the CPU fp32 master copy of the global parameters at the start of
+    ``round``, and the loop that plays one round after the other over its Session."""
+
+    def __init__(self, session: Session, device: str = "auto", report_dir: Path | None = None,
+                 max_resyncs: int = 50) -> None:
+        self.session = session
+        self.device = resolve_device(device)
+        self.report_dir = report_dir  # worker-<id>.json goes there (join, then the final digest)
+        self.max_resyncs = max_resyncs  # give up if the replica keeps diverging
+        self.training: Training | None = None  # built at the first Join
+        self.theta: list[Tensor] = []
+        self.round = -1
+        self.task: pb.WorkerTask | None = None  # None: θ is not known to be the coordinator's
+        self.check: DigestCheck | None = None  # of θ, while it runs beside the inner loop
+        self.outbox: Push | None = None  # this round's frame, kept to push again after a reconnect
+        self.apply_s = 0.0  # applying the last round result (reported in the next Push)
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> int:
+        """Join, then play one round after the other until the coordinator says the run is
+        finished; returns the exit code (0). A lost connection rejoins with the same id."""
+        try:
+            self.connect()
+        except Disconnected as exc:
+            self.reconnect(str(exc))
+        finished = False
+        while not finished:
+            try:
+                finished = self.play_round()
+            except Disconnected as exc:
+                self.reconnect(str(exc))
+        self.finish()
+        return 0
+
+    def play_round(self) -> bool:
+        """One round from θ_r: train → confirm θ_r → straggle → encode → push → apply.
+        Early exits: a result already in skips whatever is left before it is applied, and a
+        θ_r that fails its digest check drops what was trained (the state is fetched again,
+        the round starts over). True when the run is finished."""
+        result = self.session.poll_result(self.round)
+        if result is None and self.outbox is None and self.has_work():
+            trained = self.train()
+            if not self.confirm():
+                return False
+            self.emulate_straggler(trained)
+            self.outbox = self.encode(trained)
+            result = self.session.poll_result(self.round)
+        if result is None and self.outbox is not None:
+            self.push(self.outbox)
+        if result is None:
+            result = self.session.next_result(self.round)
+        return self.apply(result)
+
+    # ------------------------------------------------------------------ the steps of a round
+
+    def has_work(self) -> bool:
+        return self.task is not None and bool(self.task.train_partitions or self.task.send_partitions)
+
+    def train(self) -> Trained:
+        """H inner steps from θ_r on every partition the task trains; each Δ is kept."""
+        training, start, losses = self.training, time.monotonic(), []
+        partitions = training.deltas.to_train(self.task)
+        for p in partitions:
+            delta, loss = training.trainer.train_partition(self.theta, p, self.round)
+            training.deltas.keep(p, delta)
+            losses.append(loss)
+        mean_loss = sum(losses) / len(losses) if losses else math.nan
+        return Trained(partitions, time.monotonic() - start, mean_loss)
+
+    def confirm(self) -> bool:
+        """Wait for the digest check of θ (if one runs). On a mismatch fetch the state again
+        and return False; a stream that ended before the digest raises Disconnected (θ is
+        then unconfirmed, so the reconnect fetches the state)."""
+        check, self.check = self.check, None
+        if check is None:
+            return True
+        try:
+            ok = check.outcome()
+        except Disconnected:
+            self.task = None
+            raise
+        if not ok:
+            log.warning("round %d: digest mismatch (mine %s, coordinator %s)", check.header.round,
+                        check.mine[:16], check.expected.result()[:16])
+            self.resync(check.header)
+        return ok
+
+    def emulate_straggler(self, trained: Trained) -> None:
+        delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
+        if delay > 0:
+            log.info("round %d: straggler emulation sleeps %.2fs", self.round, delay)
+            time.sleep(delay)
+
+    def encode(self, trained: Trained) -> Push:
+        """The coded message of the task's partitions, encoded as this round's frame."""
+        message = self.training.deltas.message(self.task)
+        start = time.monotonic()
+        frame = self.training.encoder.encode(message, self.round, self.session.worker_id)
+        encode_s = time.monotonic() - start
+        log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes (encoded in %.2fs)",
+                 self.round, trained.partitions, trained.compute_s, trained.loss, len(frame), encode_s)
+        return Push(self.round, frame, trained.compute_s, trained.loss, trained.partitions, encode_s,
+                    self.apply_s)
+
+    def push(self, push: Push) -> None:
+        reply = self.session.push(push)
+        if reply.accepted:
+            self.counters.bytes_pushed += len(push.frame)
+        else:
+            self.counters.rejected_pushes += 1
+            log.warning("round %d: coordinator rejected the frame: %s", push.round, reply.reason)
+
+    def apply(self, result: RoundResult) -> bool:
+        """Apply round r's result to θ_r, frame by frame as they are decoded, and start the
+        digest check of θ_{r+1} beside the next round; True when the run is finished."""
+        header = result.header
+        if not self.confirm():
+            return False  # θ was fetched again: it already holds this result
+        if header.round > self.round:
+            log.warning("round %d result arrived while at round %d; fetching state", header.round, self.round)
+            return self.resync(header)
+        self.task = None  # θ is between rounds until every frame is in
+        try:
+            self.apply_s = result.apply_to(self.theta)
+        except FrameError as exc:
+            log.error("round %d: bad frame in the round result (%s)", header.round, exc)
+            return self.resync(header)
+        self.counters.bytes_received += result.nbytes
+        self.counters.rounds_applied += 1
+        log.info("round %d applied: %d frames from %s in %.2fs", header.round, len(header.frames),
+                 list(header.arrived), self.apply_s)
+        self.round, self.task, self.outbox = header.round + 1, header.next_task, None
+        self.check = DigestCheck(header, self.theta, result.digest)
+        if header.finished:
+            self.confirm()
+        return header.finished
+
+    # ------------------------------------------------------------------ state and connection
+
+    def resync(self, header: pb.RoundHeader) -> bool:
+        """θ is not the coordinator's after ``header``'s round: count it and fetch the state
+        again; True when that round finished the run."""
+        self.counters.resyncs += 1
+        self.task = None  # a reconnect must fetch the state
+        if self.counters.resyncs > self.max_resyncs:
+            raise RuntimeError(f"{self.counters.resyncs} resyncs: this replica keeps diverging from the coordinator")
+        if not header.finished:
+            self.fetch_state()
+            return False
+        try:
+            self.fetch_state()
+        except (Disconnected, RuntimeError) as exc:
+            log.error("run finished but the final state could not be fetched: %s", exc)
+        self.round = header.round + 1
+        return True
+
+    def fetch_state(self) -> None:
+        self.load_state(self.session.fetch_state())
+
+    def load_state(self, state: State) -> None:
+        """θ ← the coordinator's parameters, checked against their digest; take the task of
+        its open round."""
+        self.release_check()
+        dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
+        for t, v in zip(self.theta, dense, strict=True):
+            t.copy_(v.reshape(t.shape))
+        digest = param_digest(self.theta)
+        if digest != state.digest:
+            raise RuntimeError(f"state for round {state.round} has digest {digest}, coordinator says {state.digest}")
+        self.round, self.task, self.outbox, self.apply_s = state.round, state.task, None, 0.0
+        self.counters.bytes_received += len(state.data)
+        log.info("fetched state of round %d (%d bytes, digest %s)", state.round, len(state.data), digest[:16])
+
+    def release_check(self) -> bool:
+        """Before θ is replaced: stop checking it; True when it was confirmed (or nothing
+        was pending)."""
+        check, self.check = self.check, None
+        return check is None or check.release()
+
+    def connect(self) -> None:
+        """Join (or rejoin with the same id); fetch the state unless θ is confirmed and at the
+        coordinator's open round; follow the Rounds stream from θ's round."""
+        rejoining = self.session.worker_id is not None
+        reply = self.session.join(describe_device(self.device))
+        self.write_report("rejoined" if rejoining else "joined")
+        if self.training is None:
+            self.training = Training.from_join(reply, self.device)
+            # θ on huge pages: applying sparse rounds touches cache lines at random
+            self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
+        if not self.release_check():
+            self.task = None  # θ was never confirmed: fetch the state
+        if reply.current_round != self.round or self.task is None:
+            self.fetch_state()
+        self.session.follow(self.round, self.training.layout)
+
+    def reconnect(self, reason: str) -> None:
+        """Rejoin with the same id, retrying until connect_timeout_s (Join itself backs off
+        while the coordinator is unreachable)."""
+        log.warning("connection lost (%s); rejoining as worker %s", reason, self.session.worker_id)
+        self.counters.reconnects += 1
+        deadline = time.monotonic() + self.session.connect_timeout_s
+        while True:
+            try:
+                self.connect()
+                return
+            except Disconnected as exc:
+                if time.monotonic() > deadline:
+                    raise CoordinatorUnreachable(f"could not resume with {self.session.address}: {exc}") from None
+                log.warning("rejoin incomplete (%s); retrying in %.1fs", exc, transport.BACKOFF_START_S)
+                time.sleep(transport.BACKOFF_START_S)
+
+    def finish(self) -> None:
+        digest = param_digest(self.theta)
+        log.info("run finished after round %d: final digest %s, %d resyncs, %d reconnects",
+                 self.round - 1, digest, self.counters.resyncs, self.counters.reconnects)
+        self.write_report("finished", digest=digest)
+        self.close()
+
+    def close(self) -> None:
+        self.session.close()
+
+    def write_report(self, status: str, digest: str | None = None) -> None:
+        """worker-<id>.json in the report folder: id, pid, status, digest, counters; the
+        launcher reads it (written atomically)."""
+        if self.report_dir is None or self.session.worker_id is None:
+            return
+        report = {"worker_id": self.session.worker_id, "pid": os.getpid(), "status": status,
+                  "device": describe_device(self.device), "round": self.round, "digest": digest,
+                  **asdict(self.counters)}
+        path = Path(self.report_dir) / f"worker-{self.session.worker_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(report, indent=2))
+        tmp.replace(path)
