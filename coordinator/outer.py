@@ -37,10 +37,6 @@ class Update:
     mode: str  # compression.apply_frames mode: "sum" | "mean_kept"
     alpha: float
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f.data) for f in self.frames)
-
 
 def apply_update(params: list[Tensor], update: Update) -> None:
     """The very call the workers make (``geoloco.replica.apply_round``), so the coordinator's

@@ -102,10 +102,6 @@ class RoundState:
         self.opened_at = time.monotonic()
 
     @property
-    def is_open(self) -> bool:
-        return self.opened_at is not None and self.decision is None
-
-    @property
     def closed(self) -> bool:
         return self.decision is not None
 

@@ -544,8 +544,3 @@ def _sigterm_as_interrupt():  # -> the previous handler, or None off the main th
         raise KeyboardInterrupt
 
     return signal.signal(signal.SIGTERM, interrupt)
-
-
-def serve(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
-    """Alias of ``run_coordinator``."""
-    return run_coordinator(cfg, run_dir, resume)
