@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per round in ``metrics.jsonl`` and the end-of-run
-``summary.json`` (figures named in issue 3: rounds, losses, bytes, wall seconds)."""
+``summary.json`` (rounds, losses, bytes, where a round's time went; docs/protocol.md)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ import torch
 
 from geoloco.cli import main
 from geoloco.compression import Layout, decode_frame, encode_dense
-from geoloco.config import ConfigError, OuterConfig, load_config
-from geoloco.coordinator.gradient_coding import SCHEMES, make_code
+from geoloco.config import SCHEMES, ConfigError, OuterConfig, load_config
+from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.metrics import RoundMetrics, RunTotals
 from geoloco.coordinator.outer import SparseLoCoOuter, apply_update
 from geoloco.coordinator.rounds import Arrival, CodePolicy, deadline_decoding
