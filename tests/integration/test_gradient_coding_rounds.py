@@ -34,7 +34,7 @@ from run_processes import (
 )
 
 from geoloco.config import load_config
-from geoloco.coordinator.server import Coordinator
+from geoloco.coordinator.app import Coordinator
 from geoloco.transport import KEEPALIVE_S
 from geoloco.worker.client import RoundResult, WorkerClient, WorkerOptions
 
