@@ -34,8 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
+from geoloco.config import SCHEMES
+
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMES = ("none", "ignore", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
 PLOT = ROOT / "docs" / "img" / "stragglers.png"
 RUN_TIMEOUT_S = 600
 

@@ -71,10 +71,6 @@ class GradientCode(ABC):
         """The sorted partitions worker i holds."""
         return list(self._held[self._check_worker(i)])
 
-    def training_order(self, i: int) -> list[int]:
-        """Worker i's partitions in the order a pipelined worker trains them."""
-        return list(self._orders[self._check_worker(i)])
-
     def partition_at(self, i: int, t: int) -> list[int]:
         """The partitions worker i trains on in round t (all held ones, unless pipelined)."""
         self._check_worker(i)

@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per round in ``metrics.jsonl`` and the end-of-run
-``summary.json`` (rounds, losses, bytes, wall seconds)."""
+``summary.json`` (rounds, losses, bytes, where a round's time went; docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from geoloco.coordinator.rounds import ClosedRound, RoundState
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -54,6 +56,48 @@ class RoundMetrics:
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
         return json.dumps(_finite(data), sort_keys=True)
+
+
+@dataclass
+class RoundTiming:
+    """The coordinator's clock for one round after it closed."""
+
+    published_at: float
+    applied_at: float = 0.0
+
+
+def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
+                  val_loss: float | None) -> RoundMetrics:
+    """The metrics line of the closed round ``rs``, broadcast as ``closed``."""
+    seconds = timing.published_at - (rs.opened_at or timing.published_at)
+    arrivals = list(rs.arrivals.values())
+    computes = [a.compute_seconds for a in arrivals]
+    encodes = [a.encode_seconds for a in arrivals]
+    losses = [a.train_loss for a in arrivals if a.train_loss == a.train_loss]
+    chosen = [a for a, _ in rs.chosen()]
+    return RoundMetrics(
+        round=rs.round, val_loss=val_loss,
+        train_loss=sum(losses) / len(losses) if losses else None,
+        arrived=sorted(rs.arrivals), chosen=sorted(rs.decision.coefficients),
+        close_reason=rs.decision.reason,
+        upload_bytes={a.worker: len(a.data) for a in arrivals},
+        download_bytes_per_worker=closed.header.ByteSize() + len(closed.data),
+        round_seconds=seconds,
+        compute_seconds=_mean(computes),
+        wait_seconds=_mean([seconds - c for c in computes]),
+        rejected_frames=rs.rejected, late_frames=rs.late,
+        partitions_trained={a.worker: len(a.partitions) for a in arrivals},
+        compute_seconds_max=max(computes, default=None),
+        encode_seconds=_mean(encodes), encode_seconds_max=max(encodes, default=None),
+        worker_apply_seconds_max=max((a.apply_seconds for a in arrivals), default=None),
+        close_seconds=(timing.published_at - max(a.received_at for a in chosen)
+                       if chosen else None),
+        coordinator_apply_seconds=timing.applied_at - timing.published_at,
+    )
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
-from geoloco.config import OuterConfig
+from geoloco.config import ConfigError, OuterConfig, RunConfig
 from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.replica import apply_round
 
@@ -37,10 +37,6 @@ class Update:
     mode: str  # compression.apply_frames mode: "sum" | "mean_kept"
     alpha: float
 
-    @property
-    def nbytes(self) -> int:
-        return sum(len(f.data) for f in self.frames)
-
 
 def apply_update(params: list[Tensor], update: Update) -> None:
     """The very call the workers make (``geoloco.replica.apply_round``), so the coordinator's
@@ -59,6 +55,17 @@ def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str
     if aggregation == "mean_kept":
         return coeffs, "mean_kept"
     return [a / max(decision.covered, 1) for a in coeffs], "sum"
+
+
+def check_aggregation(cfg: RunConfig) -> None:
+    """``mean_kept`` divides each coordinate by the number of frames that kept it, which
+    is not the decoded sum of coded messages: only the uncoded ``none`` scheme allows it."""
+    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme != "none":
+        raise ConfigError(
+            f"outer.aggregation 'mean_kept' cannot decode coding.scheme {cfg.coding.scheme!r} "
+            "(the decoding coefficients need a weighted sum); use outer.aggregation 'mean', "
+            "or coding.scheme 'none'"
+        )
 
 
 class OuterOptimizer(ABC):

@@ -1,16 +1,19 @@
-"""The state of one round on the coordinator: open, accept validated frames, close by a
-pluggable policy (all arrived, decodable under gradient coding, or the deadline), and the
-chosen frames with their coefficients (round protocol: docs/protocol.md)."""
+"""The state of one round on the coordinator, pure: open, accept validated frames, close by
+a pluggable policy (all arrived, decodable under gradient coding, or the deadline), the
+chosen frames with their coefficients, and the closed round's result as broadcast
+(round protocol: docs/protocol.md)."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from geoloco.coordinator.gradient_coding import GradientCode
+from geoloco.protos import geoloco_pb2 as pb
 
 
 @dataclass
@@ -86,7 +89,9 @@ class RoundError(ValueError):
 
 
 class RoundState:
-    """One round: its number, its arrivals, its deadline and, once closed, its decision."""
+    """One round: its number, its arrivals, its deadline, once closed its decision, and the
+    frames refused while it was the coordinator's current round (late: for a round that
+    had closed; rejected: anything else)."""
 
     def __init__(self, round: int, deadline_s: float) -> None:
         self.round = round
@@ -100,10 +105,6 @@ class RoundState:
     def open(self) -> None:
         """Start the deadline clock (pushes are accepted before it, e.g. while joining)."""
         self.opened_at = time.monotonic()
-
-    @property
-    def is_open(self) -> bool:
-        return self.opened_at is not None and self.decision is None
 
     @property
     def closed(self) -> bool:
@@ -126,6 +127,14 @@ class RoundState:
         self.check_push(arrival.worker, arrival.frame.round)
         self.arrivals[arrival.worker] = arrival
 
+    def count_refused(self, round: int | None = None) -> None:
+        """Count a refused frame for ``round``: late if that round has closed, else
+        rejected (``None``: a push too broken to name its round)."""
+        if round is not None and (round < self.round or (round == self.round and self.closed)):
+            self.late += 1
+        else:
+            self.rejected += 1
+
     def try_close(self, policy: ClosePolicy) -> Decision | None:
         """Ask the policy; on a decision the round is closed and keeps it."""
         if self.closed:
@@ -141,3 +150,22 @@ class RoundState:
         if self.decision is None:
             return []
         return [(self.arrivals[i], a) for i, a in sorted(self.decision.coefficients.items())]
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A broadcast round result: the header (without the per-worker next task), the
+    chosen frames back to back, and the digest of the parameters after the round, which
+    the coordinator sets once it has applied the round (the broadcast does not wait)."""
+
+    header: pb.RoundHeader
+    data: bytes
+    digest: Future[str] = field(default_factory=Future)
+
+    @property
+    def round(self) -> int:
+        return self.header.round
+
+    @property
+    def finished(self) -> bool:
+        return self.header.finished

@@ -176,7 +176,7 @@ def _run_local(args: argparse.Namespace) -> int:
 def _run_coordinator(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, COORDINATOR_FLAGS)
     configure_logging(args.log_file, args.verbose)
-    from geoloco.coordinator.server import run_coordinator
+    from geoloco.coordinator.app import run_coordinator
 
     return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume)
 

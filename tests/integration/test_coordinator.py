@@ -20,7 +20,7 @@ from geoloco import replica as state
 from geoloco import transport as wire
 from geoloco.compression import Compressor, Layout, decode_frame, encode_dense
 from geoloco.config import load_config
-from geoloco.coordinator.server import Coordinator
+from geoloco.coordinator.app import Coordinator
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
@@ -314,7 +314,7 @@ def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, worker
     a.close()
 
     with running(cfg, run_dir, resume=True) as resumed:
-        assert resumed.rs.round == 1 and resumed.digest() == round0_digest
+        assert resumed.open_round() == 1 and resumed.digest() == round0_digest
         w = workers(resumed.port, cfg)
         reply = w.join(reclaim_worker_id=0, reclaim_session=session)
         assert reply.worker_id == 0 and reply.current_round == 1

@@ -34,7 +34,7 @@ from run_processes import (
 )
 
 from geoloco.config import load_config
-from geoloco.coordinator.server import Coordinator
+from geoloco.coordinator.app import Coordinator
 from geoloco.worker.faults import Fault, FaultySession
 from geoloco.worker.loop import Worker
 from geoloco.worker.session import Session

@@ -25,7 +25,7 @@ from run_processes import (
 )
 
 from geoloco.config import load_config
-from geoloco.coordinator.server import Coordinator
+from geoloco.coordinator.app import Coordinator
 from geoloco.replica import param_digest
 from geoloco.worker.faults import Fault, FaultySession
 from geoloco.worker.loop import Worker

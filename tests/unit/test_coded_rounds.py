@@ -9,12 +9,12 @@ import torch
 
 from geoloco.cli import main
 from geoloco.compression import Layout, decode_frame, encode_dense
-from geoloco.config import ConfigError, OuterConfig, load_config
-from geoloco.coordinator.gradient_coding import SCHEMES, make_code
+from geoloco.config import SCHEMES, ConfigError, OuterConfig, load_config
+from geoloco.coordinator.app import Coordinator
+from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.metrics import RoundMetrics, RunTotals
-from geoloco.coordinator.outer import SparseLoCoOuter, apply_update
+from geoloco.coordinator.outer import SparseLoCoOuter, apply_update, check_aggregation
 from geoloco.coordinator.rounds import Arrival, CodePolicy, deadline_decoding
-from geoloco.coordinator.server import Coordinator, check_aggregation
 
 N, S = 4, 1
 

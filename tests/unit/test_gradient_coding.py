@@ -9,10 +9,10 @@ from itertools import combinations
 import numpy as np
 import pytest
 
+from geoloco.config import SCHEMES
 from geoloco.coordinator.gradient_coding import (
     CR_SEED_CANDIDATES,
     DECODE_TOLERANCE,
-    SCHEMES,
     GradientCode,
     cyclic_repetition_matrix,
     make_code,

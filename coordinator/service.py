@@ -1,6 +1,6 @@
 """The gRPC servicer of the round protocol (Join, FetchState, Push, Rounds): validates each
-caller and each frame, and streams round results; the state lives in coordinator.server
-(docs/protocol.md; wire: protos/geoloco.proto)."""
+caller and each frame and streams round results, over a narrow interface to the
+coordinator's state (docs/protocol.md; wire: protos/geoloco.proto)."""
 
 from __future__ import annotations
 
@@ -10,64 +10,110 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import grpc
 
 from geoloco import transport
-from geoloco.compression import Frame, FrameError, decode_frame
+from geoloco.compression import Frame, FrameError, Layout, decode_frame
+from geoloco.config import RunConfig
+from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
-from geoloco.coordinator.rounds import Arrival, RoundError
+from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
-if TYPE_CHECKING:
-    from geoloco.coordinator.server import Coordinator
-
 log = logging.getLogger(__name__)
 
+FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers and tables
 
-@dataclass(frozen=True)
-class ClosedRound:
-    """A broadcast round result: the header (without the per-worker next task), the
-    chosen frames back to back, and the digest of the parameters after the round, which
-    the coordinator sets once it has applied the round (the broadcast does not wait)."""
 
-    header: pb.RoundHeader
-    data: bytes
-    digest: Future[str] = field(default_factory=Future)
+class ServiceState(Protocol):
+    """What the servicer may read and change of the coordinator's state (thread-safe)."""
 
-    @property
-    def round(self) -> int:
-        return self.header.round
+    def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
+             reclaim_session: str) -> tuple[WorkerRecord, int]:
+        """The worker's record and the current round; RegistryError if refused."""
 
-    @property
-    def finished(self) -> bool:
-        return self.header.finished
+    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
+        """The worker's record; RegistryError if unknown or the session is wrong."""
+
+    def snapshot(self, record: WorkerRecord) -> tuple[int, str, bytes]:
+        """(round, digest, dense fp32 frame) of the parameters at the current round's start."""
+
+    def check_push(self, worker: int, round: int) -> None:
+        """RoundError if ``worker`` may not push for ``round`` now."""
+
+    def accept(self, arrival: Arrival) -> None:
+        """Add a decoded frame to the current round; RoundError if it closed meanwhile."""
+
+    def count_rejected(self) -> None:
+        """Count a push refused for its header or its frame."""
+
+    def follow(self, worker: int, from_round: int) -> AbstractContextManager[
+            tuple[queue.Queue[ClosedRound | None], list[ClosedRound]]]:
+        """While open: a queue of later round results (None: end), and the held ones."""
+
+    def mark_finish_delivered(self, worker: int) -> None:
+        """``worker`` has the finished run's last result."""
+
+    def open_round(self) -> int:
+        """The current round's number."""
 
 
 class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
-    """The four RPCs; each validates its caller and hands the work to ``Coordinator``."""
+    """The four RPCs; each validates its caller, then hands the work to the state."""
 
-    def __init__(self, core: Coordinator) -> None:
-        self.core = core
+    def __init__(self, state: ServiceState, cfg: RunConfig, layout: Layout,
+                 code: GradientCode) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.layout = layout
+        self.code = code
+        self.max_frame_bytes = layout.numel * 4 + FRAME_OVERHEAD_BYTES
+        self.frame_kind = "sparse" if cfg.compression.method == "sparseloco" else "dense"
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        reclaim = request.reclaim_worker_id if request.HasField("reclaim_worker_id") else None
+        caps = request.capabilities
         try:
-            return self.core.join(request)
+            record, current = self.state.join(request.token, caps.hostname, caps.device, reclaim,
+                                              request.reclaim_session)
         except RegistryError as exc:
             log.warning("join refused: %s", exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
+        log.info("worker %d %s from %s (%s), round %d", record.worker_id,
+                 "reclaimed its id" if reclaim is not None else "joined",
+                 caps.hostname or "?", caps.device or "?", current)
+        return pb.JoinReply(
+            worker_id=record.worker_id, session=record.session,
+            run_config_json=self.cfg.to_json(), current_round=current,
+            layout_digest=self.layout.digest, wan_profile=self._wan_text(record.worker_id),
+            straggler_profile=self.cfg.stragglers.profile_for(record.worker_id),
+        )
+
+    def _wan_text(self, worker_id: int) -> str:
+        per = self.cfg.network.per_worker
+        return per[worker_id] if worker_id < len(per) else self.cfg.network.wan
+
+    def task_for(self, worker: int, round: int) -> pb.WorkerTask:
+        """What ``worker`` trains and sends in ``round`` (the gradient code decides)."""
+        if round >= self.cfg.rounds or worker >= self.code.n:
+            return pb.WorkerTask(round=round)
+        coeffs = self.code.coefficients(worker)
+        return pb.WorkerTask(
+            round=round, train_partitions=self.code.partition_at(worker, round),
+            send_partitions=[j for j, _ in coeffs], send_coefficients=[c for _, c in coeffs],
+        )
 
     def FetchState(self, request: pb.FetchStateRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.StateChunk]:
         record = self._authenticate(request.worker_id, request.session, context)
-        round, digest, data = self.core.state_snapshot(record)
-        task = self.core.task_for(record.worker_id, round)
+        round, digest, data = self.state.snapshot(record)
+        task = self.task_for(record.worker_id, round)
         log.info("worker %d fetches the state of round %d (%d bytes)", record.worker_id, round,
                  len(data))
         for i, chunk in enumerate(transport.chunks(data)):
@@ -81,8 +127,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
              context: grpc.ServicerContext) -> pb.PushReply:
         header, reason = self._push_header(request_iterator)
         if reason is None:
-            reason = self._receive(header, request_iterator, context)
-        round = header.round if header is not None else self.core.open_round()
+            reason = self._receive(header, request_iterator)
+        round = header.round if header is not None else self.state.open_round()
         if reason is not None:
             who = header.worker_id if header is not None else "?"
             log.warning("push from worker %s for round %d rejected: %s", who, round, reason)
@@ -95,35 +141,34 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         except StopIteration:
             first = None
         if first is None or not first.HasField("header"):
-            self.core.count_rejected()
+            self.state.count_rejected()
             return None, "a push must start with a PushHeader message"
         return first.header, None
 
-    def _receive(self, h: pb.PushHeader, it: Iterator[pb.PushChunk],
-                 context: grpc.ServicerContext) -> str | None:
+    def _receive(self, h: pb.PushHeader, it: Iterator[pb.PushChunk]) -> str | None:
         """Authenticate, check round and size, read and decode the frame, then accept it.
         Returns the reason for a rejection, or None."""
         try:
-            record = self.core.authenticate(h.worker_id, h.session)
-            self.core.check_push(record, h.round)
+            self.state.authenticate(h.worker_id, h.session)
+            self.state.check_push(h.worker_id, h.round)
         except (RegistryError, RoundError) as exc:
             return str(exc)
         try:
             data = self._read_frame(h, it)
             frame = self._decode(h, data)
         except FrameError as exc:
-            self.core.count_rejected()
+            self.state.count_rejected()
             return str(exc)
         try:
-            self.core.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
-                                     tuple(h.partitions), h.encode_seconds, h.apply_seconds))
+            self.state.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
+                                      tuple(h.partitions), h.encode_seconds, h.apply_seconds))
         except RoundError as exc:
             return str(exc)
         return None
 
     def _read_frame(self, h: pb.PushHeader, it: Iterator[pb.PushChunk]) -> bytes:
-        if not 0 < h.total_bytes <= self.core.max_frame_bytes:
-            raise FrameError(f"total_bytes {h.total_bytes} is outside 1..{self.core.max_frame_bytes} "
+        if not 0 < h.total_bytes <= self.max_frame_bytes:
+            raise FrameError(f"total_bytes {h.total_bytes} is outside 1..{self.max_frame_bytes} "
                              "(the largest frame this model's layout allows)")
         parts, got = [], 0
         try:
@@ -143,37 +188,33 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         return b"".join(parts)
 
     def _decode(self, h: pb.PushHeader, data: bytes) -> Frame:
-        frame = decode_frame(data, self.core.layout)
+        frame = decode_frame(data, self.layout)
         if frame.round != h.round or frame.sender != h.worker_id:
             raise FrameError(f"frame says round {frame.round} from worker {frame.sender}, "
                              f"the header round {h.round} from worker {h.worker_id}")
-        want = "sparse" if self.core.cfg.compression.method == "sparseloco" else "dense"
-        if frame.kind != want:
-            raise FrameError(f"a {frame.kind} frame, but this run ({self.core.cfg.compression.method}) "
-                             f"takes {want} frames")
+        if frame.kind != self.frame_kind:
+            raise FrameError(f"a {frame.kind} frame, but this run ({self.cfg.compression.method}) "
+                             f"takes {self.frame_kind} frames")
         return frame
 
     def Rounds(self, request: pb.RoundsRequest,
                context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
         record = self._authenticate(request.worker_id, request.session, context)
         worker = record.worker_id
-        sub, backlog = self.core.subscribe(worker, request.from_round)
-        last_sent = threading.Event()  # the finished run's last message is on its way
+        with self.state.follow(worker, request.from_round) as (sub, backlog):
+            last_sent = threading.Event()  # the finished run's last message is on its way
 
-        def on_end() -> None:
-            sub.put(None)
-            # a worker that got the last message may hang up before gRPC asks this stream
-            # for more, and then it never resumes: the end of the call says it instead
-            if last_sent.is_set():
-                self.core.mark_finish_delivered(worker)
+            def on_end() -> None:
+                sub.put(None)
+                # a worker that got the last message may hang up before gRPC asks this
+                # stream for more, and then it never resumes: the end of the call says it
+                if last_sent.is_set():
+                    self.state.mark_finish_delivered(worker)
 
-        context.add_callback(on_end)
-        log.info("worker %d follows rounds from %d (%d held results replayed)", worker,
-                 request.from_round, len(backlog))
-        try:
+            context.add_callback(on_end)
+            log.info("worker %d follows rounds from %d (%d held results replayed)", worker,
+                     request.from_round, len(backlog))
             yield from self._follow(worker, sub, backlog, context, last_sent)
-        finally:
-            self.core.unsubscribe(worker, sub)
 
     def _follow(self, worker: int, sub: queue.Queue, backlog: list[ClosedRound],
                 context: grpc.ServicerContext, last_sent: threading.Event) -> Iterator[pb.RoundUpdate]:
@@ -185,14 +226,14 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                 try:
                     closed = sub.get(timeout=transport.KEEPALIVE_S)
                 except queue.Empty:
-                    yield pb.RoundUpdate(keepalive=pb.Keepalive(round=self.core.open_round()))
+                    yield pb.RoundUpdate(keepalive=pb.Keepalive(round=self.state.open_round()))
                     continue
             if closed is None:
                 return
             yield from self._round_messages(worker, closed, context, last_sent)
             if closed.finished:
-                _await_hang_up(context, self.core.cfg.coordinator.deadline_s)
-                self.core.mark_finish_delivered(worker)
+                _await_hang_up(context, self.cfg.coordinator.deadline_s)
+                self.state.mark_finish_delivered(worker)
                 return
 
     def _round_messages(self, worker: int, closed: ClosedRound, context: grpc.ServicerContext,
@@ -202,7 +243,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         run's last round, last_sent is set as the digest goes."""
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
-        header.next_task.CopyFrom(self.core.task_for(worker, closed.round + 1))
+        header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
         yield pb.RoundUpdate(header=header)
         view, start = memoryview(closed.data), 0
         for info in closed.header.frames:
@@ -218,7 +259,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
     def _authenticate(self, worker_id: int, session: str,
                       context: grpc.ServicerContext) -> WorkerRecord:
         try:
-            return self.core.authenticate(worker_id, session)
+            return self.state.authenticate(worker_id, session)
         except RegistryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises

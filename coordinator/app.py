@@ -1,0 +1,214 @@
+"""The coordinator process: builds the model, the state and the round loop, serves the
+round protocol with the gRPC health service, and turns Ctrl-C or SIGTERM into a final
+checkpoint and an exit code (docs/protocol.md)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from torch import Tensor, nn
+
+from geoloco import transport
+from geoloco.compression import Layout, on_huge_pages
+from geoloco.config import RunConfig
+from geoloco.coordinator import checkpoint
+from geoloco.coordinator.gradient_coding import GradientCode, make_code
+from geoloco.coordinator.loop import RoundLoop
+from geoloco.coordinator.metrics import RunTotals, write_text_atomic
+from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
+from geoloco.coordinator.registry import WorkerRegistry
+from geoloco.coordinator.rounds import CodePolicy, RoundState
+from geoloco.coordinator.service import CoordinatorServicer
+from geoloco.coordinator.state import CoordinatorState
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
+from geoloco.replica import param_digest
+from geoloco.tasks import build_task
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloco.v1.Coordinator
+PORT_FILE = "coordinator.port"
+CONFIG_FILE = "config.json"
+STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
+LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class Coordinator:
+    """One run of the coordinator: its state, its round loop on a thread, its server."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
+        check_aggregation(cfg)
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+        model = task.make_model().to("cpu", torch.float32)
+        self.layout, params = _params_on_huge_pages(model)
+        self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
+        outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
+        registry = WorkerRegistry(cfg.workers, cfg.coordinator.token)
+        start_round, totals = 0, RunTotals()
+        if resume:
+            start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
+        totals.extra.update(coding_summary(self.code))
+        self.state = CoordinatorState(self.layout, params, registry, totals,
+                                      RoundState(start_round, cfg.coordinator.deadline_s))
+        self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
+                              self.run_dir)
+        self.port: int | None = None
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        """Bind, serve and start the round loop; returns the bound port."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
+        self._server = self._build_server()
+        listen = self.cfg.coordinator.listen
+        try:
+            self.port = self._server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
+                          "coordinator running there? pick a free port, or port 0") from None
+        self._server.start()
+        write_text_atomic(self.run_dir / PORT_FILE, f"{self.port}\n")
+        log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
+                 "(%d parameters)", listen, self.port, self.cfg.workers, self.cfg.rounds,
+                 self.cfg.task.model, self.layout.numel)
+        log.info("gradient coding %s (n=%d, s=%d): worst-case decoding coefficient %.4g",
+                 self.code.name, self.code.n, self.code.s, self.code.worst_case_coefficient)
+        self._thread = threading.Thread(target=self.loop.run, name="round-loop", daemon=True)
+        self._thread.start()
+        return self.port
+
+    def _build_server(self) -> grpc.Server:
+        threads = 3 * self.cfg.workers + 8  # Push + Rounds + FetchState per worker, health
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+            options=transport.SERVER_OPTIONS,
+        )
+        servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
+        geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        for name in ("", SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the run is over (all rounds done, or stopped)."""
+        return self.loop.done.wait(timeout)
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Stop the round loop and the server (in-flight calls get ``grace`` seconds)."""
+        self.state.stop()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=LOOP_JOIN_S)
+        if self._server is not None:
+            self._health.enter_graceful_shutdown()
+            self._server.stop(grace).wait()
+            self._server = None
+
+    def save_checkpoint(self, next_round: int) -> Path:
+        """Write the parameters at the start of ``next_round`` with everything else."""
+        return self.loop.save_checkpoint(next_round)
+
+    @property
+    def failed(self) -> bool:
+        """The round loop ended with an error."""
+        return self.loop.failed
+
+    def open_round(self) -> int:
+        return self.state.open_round()
+
+    def digest(self) -> str:
+        return self.state.digest()
+
+    @property
+    def params(self) -> list[Tensor]:
+        return self.state.params
+
+    @property
+    def registry(self) -> WorkerRegistry:
+        return self.state.registry
+
+    @property
+    def totals(self) -> RunTotals:
+        return self.state.totals
+
+
+def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
+    """The model's layout and its parameters, moved into one buffer on huge pages (applying
+    sparse rounds touches cache lines at random)."""
+    named = list(model.named_parameters())
+    for (_, p), data in zip(named, on_huge_pages([p.data for _, p in named]), strict=True):
+        p.data = data
+    return Layout.from_named_tensors(named), [p.data for _, p in named]
+
+
+def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
+             registry: WorkerRegistry) -> tuple[int, RunTotals]:
+    """Load the newest checkpoint into ``params``, ``outer`` and ``registry``; returns the
+    round to open and the run totals (round 0 and fresh totals when there is none)."""
+    ckpt = checkpoint.load_latest(run_dir)
+    if ckpt is None:
+        log.warning("--resume: no checkpoint in %s; starting from round 0", run_dir)
+        return 0, RunTotals()
+    if ckpt.layout_digest != layout.digest:
+        raise ValueError(
+            f"checkpoint in {run_dir} was written for another model layout; "
+            "resume with the same task.model and seq_len, or use a new run_dir"
+        )
+    with torch.no_grad():
+        for spec, p in zip(layout.specs, params, strict=True):
+            p.copy_(ckpt.params[spec.name])
+    outer.load_state_dict(ckpt.outer_state)
+    registry.load_dict(ckpt.workers)
+    log.info("resumed from checkpoint at round %d (digest %s)", ckpt.round, param_digest(params))
+    return ckpt.round, RunTotals(**ckpt.totals)
+
+
+def coding_summary(code: GradientCode) -> dict[str, object]:
+    """The gradient code's figures for summary.json."""
+    return {"coding_scheme": code.name, "coding_stragglers": code.s,
+            "worst_case_coefficient": code.worst_case_coefficient}
+
+
+def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
+    """Serve until every round is done (or Ctrl-C), write the final checkpoint and
+    summary.json, stop; returns the process exit code."""
+    coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+    coordinator.start()
+    previous = _sigterm_as_interrupt()
+    try:
+        while not coordinator.wait(timeout=1.0):
+            pass
+    except KeyboardInterrupt:
+        log.warning("interrupted: checkpointing round %d and stopping", coordinator.open_round())
+        coordinator.stop()  # a round being applied is finished first
+        coordinator.save_checkpoint(coordinator.open_round())
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    coordinator.stop()
+    return EXIT_FAILED if coordinator.failed else EXIT_OK
+
+
+def _sigterm_as_interrupt():  # -> the previous handler, or None off the main thread
+    """SIGTERM (a launcher or docker stop) checkpoints and stops like Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)

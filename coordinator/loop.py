@@ -1,0 +1,157 @@
+"""The coordinator's round loop, one named step after another: wait for the round to
+close, take the outer step, publish the result, apply it, record, checkpoint
+(round protocol: docs/protocol.md)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from torch import nn
+
+from geoloco.compression import encode_dense
+from geoloco.config import RunConfig
+from geoloco.coordinator import checkpoint
+from geoloco.coordinator.metrics import MetricsWriter, RoundTiming, round_metrics
+from geoloco.coordinator.outer import OuterOptimizer, Update
+from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
+from geoloco.coordinator.state import CoordinatorState
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.tasks import Task
+
+log = logging.getLogger(__name__)
+
+VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # val_every None: larger models only at checkpoints/end
+
+
+class RoundLoop:
+    """Runs every round of one run over ``state``; ``done`` is set when the run ends."""
+
+    def __init__(self, cfg: RunConfig, state: CoordinatorState, policy: ClosePolicy,
+                 outer: OuterOptimizer, task: Task, model: nn.Module, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.policy = policy
+        self.outer = outer
+        self.task = task
+        self.model = model  # its parameters are state.params
+        self.run_dir = Path(run_dir)
+        self.metrics = MetricsWriter(self.run_dir)
+        self.failed = False
+        self.done = threading.Event()
+        self._started_at = time.monotonic()
+
+    def run(self) -> None:
+        """The initial loss, the joins, every round, then the end of the run."""
+        try:
+            self.measure_initial_loss()
+            if self.state.open_round() >= self.cfg.rounds:
+                log.info("all %d rounds were already done in %s", self.cfg.rounds, self.run_dir)
+            elif self.state.wait_for_joins(self.cfg.workers, self.cfg.coordinator.join_timeout_s):
+                while self.state.open_round() < self.cfg.rounds and not self.state.stopping:
+                    self.run_round()
+            if not self.state.stopping:
+                self.finish()
+        except Exception:  # noqa: BLE001 - the loop must report and end the run
+            self.failed = True
+            log.exception("coordinator round loop failed at round %d", self.state.open_round())
+        finally:
+            self.done.set()
+
+    def run_round(self) -> None:
+        """Close, broadcast at once, then apply and digest while the frames travel; the
+        validation loss is measured last, off the workers' critical path."""
+        rs = self.state.wait_for_close(self.policy)
+        if rs is None:
+            return  # stopping
+        update = self.outer.step(rs.round, rs.chosen(), rs.decision)
+        closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
+        with self.state.publishing(closed):  # FetchState waits for the apply
+            timing = RoundTiming(published_at=time.monotonic())
+            self.state.apply(update, closed)
+        timing.applied_at = time.monotonic()
+        val = self.task.val_loss(self.model) if self.val_due(rs.round + 1) else None
+        self.record(rs, closed, timing, val)
+        self.checkpoint_if_due(rs.round + 1)
+
+    def measure_initial_loss(self) -> None:
+        totals = self.state.totals
+        if totals.initial_val_loss is None:
+            totals.initial_val_loss = self.task.val_loss(self.model)
+            log.info("initial validation loss %.4f", totals.initial_val_loss)
+
+    def val_due(self, next_round: int) -> bool:
+        """After the last round always; else every ``coordinator.val_every`` rounds, whose
+        default (None) is every round for small models and at checkpoints for large ones."""
+        every = self.cfg.coordinator.val_every
+        if next_round >= self.cfg.rounds:
+            return True
+        if every is None:
+            if self.state.layout.numel < VAL_EVERY_ROUND_MAX_PARAMS:
+                return True
+            every = self.cfg.coordinator.checkpoint_every
+        return bool(every) and next_round % every == 0
+
+    def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,
+               val: float | None) -> None:
+        """The round's line in metrics.jsonl, the run totals, one log line."""
+        m = round_metrics(rs, closed, timing, val)
+        self.state.totals.add(m, max(self.state.live_count(), 1))
+        self.metrics.write_round(m)
+        up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
+        log.info("round %d: val_loss %s, arrived %d/%d (%s), up %s B/worker, down %d B/worker, "
+                 "%.2f s", m.round, _fmt(m.val_loss), len(m.arrived), self.cfg.workers,
+                 m.close_reason, up, m.download_bytes_per_worker, m.round_seconds)
+
+    def checkpoint_if_due(self, next_round: int) -> None:
+        every = self.cfg.coordinator.checkpoint_every
+        if every and next_round % every == 0 and next_round < self.cfg.rounds:
+            self.save_checkpoint(next_round)
+
+    def save_checkpoint(self, next_round: int) -> Path:
+        """Write the parameters at the start of ``next_round`` with everything else."""
+        workers = self.state.workers_dict()
+        totals = asdict(self.state.totals)
+        totals["wall_seconds"] = self.state.totals.wall_seconds + time.monotonic() - self._started_at
+        names = [spec.name for spec in self.state.layout.specs]
+        params = dict(zip(names, self.state.params_copy(), strict=True))
+        ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,
+                                     self.state.layout.digest, totals)
+        path = checkpoint.save(self.run_dir, ckpt)
+        log.info("checkpoint %s (round %d)", path, next_round)
+        return path
+
+    def finish(self) -> None:
+        """Wait for the last result to reach the workers, then the final checkpoint and
+        summary.json."""
+        self.state.wait_finish_delivered(self.cfg.coordinator.deadline_s)
+        totals = self.state.totals
+        rejected, late = self.state.take_refused()  # frames refused after the last round closed
+        totals.rejected_frames += rejected
+        totals.late_frames += late
+        totals.wall_seconds += time.monotonic() - self._started_at
+        self._started_at = time.monotonic()
+        self.save_checkpoint(self.state.open_round())
+        dense = len(encode_dense(self.state.layout, self.state.params, round=0, sender=0,
+                                 dtype="fp32"))
+        path = self.metrics.write_summary(totals.summary(dense))
+        log.info("run finished after %d rounds: val loss %s -> %s; summary %s", totals.rounds,
+                 _fmt(totals.initial_val_loss), _fmt(totals.final_val_loss), path)
+
+
+def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:
+    """The broadcast of the closed round ``rs``: its header and the update's frames."""
+    header = pb.RoundHeader(
+        round=rs.round, aggregation=update.mode, alpha=update.alpha, finished=finished,
+        arrived=sorted(rs.arrivals),
+        frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
+                for f in update.frames],
+    )
+    return ClosedRound(header, b"".join(f.data for f in update.frames))
+
+
+def _fmt(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "-"

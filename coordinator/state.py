@@ -1,0 +1,258 @@
+"""What the round loop and the gRPC servicer share on the coordinator: the parameters, the
+worker registry, the current round, the held round results and the Rounds streams' queues,
+behind one lock (round protocol: docs/protocol.md)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from geoloco.compression import Layout, encode_dense
+from geoloco.coordinator.metrics import RunTotals
+from geoloco.coordinator.outer import Update, apply_update
+from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
+from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
+from geoloco.replica import param_digest
+
+log = logging.getLogger(__name__)
+
+HISTORY_ROUNDS = 8  # closed rounds kept for Rounds streams that reconnect behind
+HISTORY_BYTES = 256 << 20  # ... and at most this many frame bytes of them (dense DiLoCo)
+JOIN_POLL_S = 0.5  # how often a wait re-checks its timeout
+FINISH_POLL_S = 0.1
+
+Subscription = queue.Queue  # of ClosedRound, or None: the stream is to end
+
+
+class StateSnapshot(NamedTuple):
+    """The parameters at the start of ``round`` as one dense fp32 frame, with their digest."""
+
+    round: int
+    digest: str
+    data: bytes
+
+
+class CoordinatorState:
+    """The coordinator's shared state; every method is thread-safe.
+
+    ``lock`` guards the registry, the round state, the history and the subscribers;
+    a second lock keeps FetchState off the parameters while a round is published and
+    applied, so a snapshot is always one round's parameters with its digest.
+    """
+
+    def __init__(self, layout: Layout, params: list[Tensor], registry: WorkerRegistry,
+                 totals: RunTotals, rs: RoundState) -> None:
+        self.layout = layout
+        self.params = params
+        self.registry = registry
+        self.totals = totals
+        self.rs = rs
+        self.lock = threading.Condition()
+        self.history: deque[ClosedRound] = deque(maxlen=HISTORY_ROUNDS)
+        self.subscribers: dict[int, Subscription] = {}
+        self.ready: set[int] = set()  # fetched the state or follow Rounds (this process)
+        self.delivered_finish: set[int] = set()
+        self.stopping = False
+        self._params_lock = threading.Lock()
+        self._snapshot: StateSnapshot | None = None
+
+    # ----- what the servicer calls ---------------------------------------------------
+
+    def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
+             reclaim_session: str) -> tuple[WorkerRecord, int]:
+        """Register (or reclaim) a worker; returns its record and the current round."""
+        with self.lock:
+            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session)
+            self.lock.notify_all()
+            return record, self.rs.round
+
+    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
+        with self.lock:
+            return self.registry.authenticate(worker_id, session)
+
+    def snapshot(self, record: WorkerRecord) -> StateSnapshot:
+        """The parameters at the current round's start (the worker counts as ready)."""
+        with self.lock:
+            record.state_fetches += 1
+            self.ready.add(record.worker_id)
+            self.lock.notify_all()
+            if record.state_fetches > 1:
+                self.totals.extra_state_fetches += 1
+        with self._params_lock:
+            round = self.rs.round
+            if self._snapshot is None or self._snapshot.round != round:
+                data = encode_dense(self.layout, self.params, round=round, sender=0, dtype="fp32")
+                self._snapshot = StateSnapshot(round, self.digest(), data)
+            return self._snapshot
+
+    def check_push(self, worker: int, round: int) -> None:
+        """RoundError (counted) if ``worker`` may not push for ``round`` now."""
+        with self.lock:
+            try:
+                self.rs.check_push(worker, round)
+            except RoundError:
+                self.rs.count_refused(round)
+                raise
+
+    def accept(self, arrival: Arrival) -> None:
+        """Add a decoded frame to the current round (RoundError if it closed meanwhile)."""
+        with self.lock:
+            try:
+                self.rs.accept(arrival)
+            except RoundError:
+                self.rs.count_refused(arrival.frame.round)
+                raise
+            self.lock.notify_all()
+
+    def count_rejected(self) -> None:
+        """Count a push refused before its round was looked at (bad header or frame)."""
+        with self.lock:
+            self.rs.count_refused()
+
+    @contextmanager
+    def follow(self, worker: int, from_round: int) -> Iterator[tuple[Subscription, list[ClosedRound]]]:
+        """A queue that receives every later round result, and the held results from
+        ``from_round`` on (a gap before them makes the worker FetchState); a newer stream
+        of the same worker ends this one."""
+        sub: Subscription = queue.Queue()
+        with self.lock:
+            old = self.subscribers.get(worker)
+            if old is not None:
+                old.put(None)
+            self.subscribers[worker] = sub
+            self.ready.add(worker)
+            self.lock.notify_all()
+            backlog = [c for c in self.history if c.round >= from_round]
+        try:
+            yield sub, backlog
+        finally:
+            with self.lock:
+                if self.subscribers.get(worker) is sub:
+                    del self.subscribers[worker]
+
+    def mark_finish_delivered(self, worker: int) -> None:
+        with self.lock:
+            self.delivered_finish.add(worker)
+            self.lock.notify_all()
+
+    def open_round(self) -> int:
+        """The current round's number (it may have closed and not yet been published)."""
+        with self.lock:
+            return self.rs.round
+
+    # ----- what the round loop calls -------------------------------------------------
+
+    def wait_for_joins(self, workers: int, timeout_s: float) -> bool:
+        """Open the current round once ``workers`` are ready, or once ``timeout_s`` passed
+        with at least one joined; False if stopped first. Round 0 waits for every worker
+        to have fetched the state (or to follow the Rounds stream) too, so that a slow
+        starter does not lose round 0 to the deadline; a resumed run waits for the joins."""
+        waited_since = time.monotonic()
+        with self.lock:
+            while not self.stopping and self._ready_count() < workers:
+                if time.monotonic() - waited_since >= timeout_s:
+                    if self.registry.live_count:
+                        break
+                    log.warning("no worker joined in %.0f s; still waiting", timeout_s)
+                    waited_since = time.monotonic()
+                self.lock.wait(timeout=JOIN_POLL_S)
+            if self.stopping:
+                return False
+            log.info("%d of %d workers joined (%d ready); opening round %d",
+                     self.registry.live_count, workers, len(self.ready), self.rs.round)
+            self.rs.open()
+            return True
+
+    def _ready_count(self) -> int:
+        if self.rs.round > 0:
+            return self.registry.live_count
+        live = {i for i, r in self.registry.records.items() if r.live}
+        return len(live & self.ready)
+
+    def wait_for_close(self, policy: ClosePolicy) -> RoundState | None:
+        """The current round once ``policy`` closed it; None if stopped first."""
+        with self.lock:
+            while not self.stopping:
+                if self.rs.try_close(policy) is not None:
+                    return self.rs
+                self.lock.wait(timeout=max(0.01, min(self.rs.seconds_left(), 0.5)))
+        return None
+
+    @contextmanager
+    def publishing(self, closed: ClosedRound) -> Iterator[None]:
+        """Keep ``closed``, open the next round, wake every Rounds stream; FetchState
+        waits until the block (the apply) ends."""
+        with self._params_lock:
+            with self.lock:
+                self.history.append(closed)
+                while len(self.history) > 1 and sum(len(c.data) for c in self.history) > HISTORY_BYTES:
+                    self.history.popleft()
+                self.rs = RoundState(closed.round + 1, self.rs.deadline_s)
+                if not closed.finished:
+                    self.rs.open()
+                for sub in self.subscribers.values():
+                    sub.put(closed)
+                self.lock.notify_all()
+            yield
+
+    def apply(self, update: Update, closed: ClosedRound) -> None:
+        """The outer step on the parameters; the digest it sets is what the Rounds streams
+        send after the frames (an error ends them instead)."""
+        try:
+            with torch.no_grad():
+                apply_update(self.params, update)
+            closed.digest.set_result(self.digest())
+        except BaseException as exc:
+            closed.digest.set_exception(exc)
+            raise
+
+    def wait_finish_delivered(self, limit_s: float) -> None:
+        """Until every live worker has the finished run's last result, for ``limit_s``."""
+        deadline = time.monotonic() + limit_s
+        with self.lock:
+            while not self.stopping and time.monotonic() < deadline:
+                live = {i for i, r in self.registry.records.items() if r.live}
+                if live <= self.delivered_finish:
+                    return
+                self.lock.wait(timeout=FINISH_POLL_S)
+
+    def take_refused(self) -> tuple[int, int]:
+        """(rejected, late) frames counted on the current round so far, reset to 0."""
+        with self.lock:
+            counts = self.rs.rejected, self.rs.late
+            self.rs.rejected = self.rs.late = 0
+            return counts
+
+    def live_count(self) -> int:
+        with self.lock:
+            return self.registry.live_count
+
+    def workers_dict(self) -> dict[int, dict[str, Any]]:
+        """The registry as a checkpoint keeps it."""
+        with self.lock:
+            return self.registry.to_dict()
+
+    def params_copy(self) -> list[Tensor]:
+        """A copy of the parameters between rounds (never half applied)."""
+        with self._params_lock:
+            return [p.detach().clone() for p in self.params]
+
+    def digest(self) -> str:
+        return param_digest(self.params)
+
+    def stop(self) -> None:
+        """End every wait and every Rounds stream."""
+        with self.lock:
+            self.stopping = True
+            for sub in self.subscribers.values():
+                sub.put(None)
+            self.lock.notify_all()
