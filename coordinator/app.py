@@ -29,7 +29,7 @@ from geoloco.coordinator.service import CoordinatorServicer
 from geoloco.coordinator.state import CoordinatorState
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-from geoloco.replica import param_digest
+from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.tasks import build_task
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,14 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 class Coordinator:
-    """One run of the coordinator: its state, its round loop on a thread, its server."""
+    """One run of the coordinator: its state, its round loop on a thread, its server.
+    ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
+    ``run_dir`` defaults to ``cfg.run_dir``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
         check_aggregation(cfg)
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
         model = task.make_model().to("cpu", torch.float32)
         self.layout, params = _params_on_huge_pages(model)
@@ -62,7 +64,7 @@ class Coordinator:
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s))
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
-                              self.run_dir)
+                              self.run_dir, task.model_files(model))
         self.port: int | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -146,12 +148,12 @@ class Coordinator:
 
 
 def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
-    """The model's layout and its parameters, moved into one buffer on huge pages (applying
-    sparse rounds touches cache lines at random)."""
-    named = list(model.named_parameters())
-    for (_, p), data in zip(named, on_huge_pages([p.data for _, p in named]), strict=True):
-        p.data = data
-    return Layout.from_named_tensors(named), [p.data for _, p in named]
+    """The model's layout and the tensors the replicas share (geoloco.replica.replica_tensors),
+    moved into one buffer on huge pages (applying sparse rounds touches cache lines at random)."""
+    named = replica_tensors(model)
+    for (_, t), data in zip(named, on_huge_pages([t.data for _, t in named]), strict=True):
+        t.data = data
+    return replica_layout(model), [t.data for _, t in named]
 
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
