@@ -69,7 +69,7 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
 
 
 def distributed_loss(cfg: RunConfig) -> float:
-    if run_local(cfg) != 0:
+    if not run_local(cfg).ok:
         raise SystemExit(f"the {cfg.compression.method} run failed; see {cfg.run_dir}/logs")
     return json.loads((Path(cfg.run_dir) / "summary.json").read_text())["final_val_loss"]
 

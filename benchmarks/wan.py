@@ -72,7 +72,7 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
 
 def measure(cfg: RunConfig, warmup_rounds: int) -> dict[str, Any]:
     """Run one method through the local launcher; the steady-state means of its rounds."""
-    if run_local(cfg) != 0:
+    if not run_local(cfg).ok:
         raise SystemExit(f"the {cfg.compression.method} run failed; see {cfg.run_dir}/logs")
     run_dir = Path(cfg.run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]

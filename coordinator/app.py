@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from geoloco import transport
 from geoloco.compression import Layout, on_huge_pages
-from geoloco.config import RunConfig
+from geoloco.config import ConfigError, RunConfig
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.loop import RoundLoop
@@ -52,6 +52,7 @@ class Coordinator:
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+        check_data(cfg, task.fingerprint)
         model = task.make_model().to("cpu", torch.float32)
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
@@ -176,6 +177,16 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
     registry.load_dict(ckpt.workers)
     log.info("resumed from checkpoint at round %d (digest %s)", ckpt.round, param_digest(params))
     return ckpt.round, RunTotals(**ckpt.totals)
+
+
+def check_data(cfg: RunConfig, fingerprint: str) -> None:
+    """Record the data's fingerprint in the run config the workers receive (they refuse to
+    train on other data); a fingerprint set in the config must be this data's."""
+    expected = cfg.task.data_fingerprint
+    if expected is not None and expected != fingerprint:
+        raise ConfigError(f"task.data_fingerprint is {expected!r} but the data read here has "
+                          f"fingerprint {fingerprint!r}; give the data it was taken from, or drop it")
+    cfg.task.data_fingerprint = fingerprint
 
 
 def coding_summary(code: GradientCode) -> dict[str, object]:

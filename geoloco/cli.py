@@ -1,5 +1,6 @@
 """The ``geoloco`` command: ``local`` (coordinator + workers on emulated WAN links),
-``coordinator`` and ``worker``; a config file plus flags, mapped onto geoloco.config.
+``coordinator``, ``worker`` and ``export``; a config file plus flags, mapped onto
+geoloco.config.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from geoloco import __version__  # noqa: E402
 from geoloco.config import ConfigError, RunConfig, load_config  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
+EXIT_EXPORT_FAILED = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # flag attribute -> config field; only flags given on the command line override the file
@@ -44,7 +46,11 @@ COORDINATOR_FLAGS = {
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
     "connect_timeout": "worker.connect_timeout_s", "token": "coordinator.token",
+    "precision": "worker.precision",
 }
+MODEL_HELP = ("a preset (gpt-tiny | gpt-small | gpt-medium | gpt-100m), module:function or "
+              "file.py:function (a factory of an nn.Module), or hf:PATH (a transformers config or "
+              "checkpoint folder)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local(sub)
     _add_coordinator(sub)
     _add_worker(sub)
+    _add_export(sub)
     return parser
 
 
@@ -90,7 +97,7 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--wan", metavar="PROFILE", help="link profile of every worker, e.g. 20mbit/50ms")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go")
     p.add_argument("--method", choices=("sparseloco", "diloco"), help="SparseLoCo or the dense DiLoCo baseline")
-    p.add_argument("--model", help="model preset: gpt-tiny | gpt-small | gpt-medium | gpt-100m")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--inner-steps", type=int, metavar="H", help="inner AdamW steps per round")
     p.add_argument("--scheme", help="straggler policy: none | ignore | gc-fr | gc-cr | pgc-fr | pgc-cr")
     p.add_argument("--stragglers", type=int, metavar="S", help="stragglers tolerated per round")
@@ -126,6 +133,8 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address")
     p.add_argument("--token", help="the run's shared secret (default: coordinator.token)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="training device")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="inner-loop autocast (auto: bf16 on a GPU that has it)")
     p.add_argument("--connect-timeout", type=float, metavar="SECONDS",
                    help="give up (exit 1) when the coordinator stays unreachable this long")
     p.add_argument("--wan-emulate", metavar="PROFILE",
@@ -137,6 +146,17 @@ def _add_worker(sub: Any) -> None:
                    "container entrypoint's join-and-apply step)")
     p.add_argument("--wait-for", metavar="FILE", help=argparse.SUPPRESS)  # launcher: join order
     p.set_defaults(run=_run_worker)
+
+
+def _add_export(sub: Any) -> None:
+    p = sub.add_parser("export", help="write a run's newest checkpoint as a model folder others load",
+                       description="A transformers save_pretrained folder for hf: models; for the "
+                       "others model.safetensors (a plain state dict) beside config.json. The "
+                       "tokenizer.json goes along when the run had one.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (config.json, checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="folder to write (created; files in it are replaced)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(run=_run_export)
 
 
 def resolve_config(args: argparse.Namespace, flags: dict[str, str],
@@ -170,7 +190,7 @@ def _run_local(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.launch import run_local
 
-    return run_local(cfg, stall_timeout_s=args.stall_timeout)
+    return run_local(cfg, stall_timeout_s=args.stall_timeout).exit_code
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -192,8 +212,21 @@ def _run_worker(args: argparse.Namespace) -> int:
         cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
-        identity_file=args.identity_file,
+        identity_file=args.identity_file, precision=cfg.worker.precision,
     )
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    configure_logging(None, args.verbose)
+    from geoloco.coordinator.export import ExportError, export_run
+
+    try:
+        out = export_run(Path(args.run_dir), Path(args.out))
+    except ExportError as exc:
+        print(f"geoloco: export: {exc}", file=sys.stderr)
+        return EXIT_EXPORT_FAILED
+    print(out)
+    return 0
 
 
 def _check_profile(text: str) -> None:

@@ -56,6 +56,9 @@ class TaskConfig:
     batch_size: int = 16  # sequences per inner step
     val_batches: int = 8  # held-out batches averaged for the validation loss
     corpus_bytes: int = 4_000_000  # cap on the text read, so start-up stays fast
+    # the tokenized corpus's fingerprint (geoloco.tasks.LMTask.fingerprint); None: the
+    # coordinator fills in its own, and a worker whose data differs refuses to start
+    data_fingerprint: str | None = None
 
 
 @dataclass
@@ -213,6 +216,8 @@ def _check_task(task: TaskConfig) -> None:
     if not isinstance(task.text_field, str) or not task.text_field:
         raise ConfigError(f"task.text_field: {task.text_field!r} is not a column name")
     _check_tokenizer(task.tokenizer)
+    if task.data_fingerprint is not None and not isinstance(task.data_fingerprint, str):
+        raise ConfigError(f"task.data_fingerprint: {task.data_fingerprint!r} is not a fingerprint")
     _check_range("task.seq_len", task.seq_len, 8, 8192)
     _check_range("task.batch_size", task.batch_size, 1, 4096)
     _check_range("task.val_batches", task.val_batches, 1, 10_000)

@@ -24,6 +24,7 @@ from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import param_digest, replica_layout
 from geoloco.tasks import build_task
+from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.partitions import LatestDeltas
@@ -72,6 +73,13 @@ class Training:
         """Built from the run config the coordinator sent; the codec is warmed before round 0."""
         cfg = validate(RunConfig.from_dict(json.loads(reply.run_config_json)))
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+        expected = cfg.task.data_fingerprint
+        if expected is not None and task.fingerprint != expected:
+            raise JoinRefused(
+                f"data mismatch: this worker's data ({task.n_tokens} {task.unit} from "
+                f"{describe_source(cfg.task.data)}, tokenizer {task.tokenizer.name}) has fingerprint "
+                f"{task.fingerprint}, the coordinator's {expected}; give every machine the same "
+                "task.data (the default corpus is each machine's own Python standard library)")
         trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, precision, inner_step)
         layout = replica_layout(trainer.model)
         if reply.layout_digest and reply.layout_digest != layout.digest:

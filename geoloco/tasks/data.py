@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import json
 import os
 import sysconfig
 import tempfile
@@ -122,7 +123,8 @@ def _read_records(path: Path, text_field: str) -> list[str]:
         try:
             table = reader(str(path), keep_in_memory=True, cache_dir=cache)
         except Exception as exc:  # noqa: BLE001 - datasets and pyarrow raise many kinds
-            raise TaskError(f"task.data: {path} is not a readable {kind} file: {_root_cause(exc)}") from None
+            problem = (_bad_json_line(path) if kind == "json" else None) or _root_cause(exc)
+            raise TaskError(f"task.data: {path} is not a readable {kind} file: {problem}") from None
     if text_field not in table.column_names:
         raise TaskError(f"task.data: {path} has no column {text_field!r} (its columns: "
                         f"{', '.join(table.column_names) or 'none'}); set task.text_field")
@@ -132,6 +134,20 @@ def _read_records(path: Path, text_field: str) -> list[str]:
             raise TaskError(f"task.data: {path} row {row}: {text_field!r} is "
                             f"{type(text).__name__}, expected text")
     return texts
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """Where a JSON Lines file first fails to parse (datasets' own message may be about a
+    fallback reader), or None when every line parses."""
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as exc:
+                return f"line {number} is not JSON ({exc})"
+    return None
 
 
 def _root_cause(exc: BaseException) -> str:
