@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 import geoloco
@@ -22,6 +21,8 @@ from geoloco.worker.trainer import InnerTrainer
 TOKEN = "api-test"
 WAIT_S = 120.0
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def config(run_dir: Path, **overrides: object) -> geoloco.RunConfig:
     return geoloco.load_config(overrides={
@@ -30,13 +31,6 @@ def config(run_dir: Path, **overrides: object) -> geoloco.RunConfig:
         "task.seq_len": 16, "task.batch_size": 4, "task.val_batches": 1, "task.corpus_bytes": 60_000,
         "inner.steps": 2, "inner.warmup_steps": 1, **overrides})
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_script_drives_a_coordinator_and_workers_with_its_own_inner_step(tmp_path: Path) -> None:

@@ -22,13 +22,7 @@ TINY_LLAMA = ROOT / "examples" / "tiny_llama"
 SMALL = {"seq_len": 16, "batch_size": 4, "val_batches": 1, "corpus_bytes": 60_000}
 LINE = "def add(a, b):\n    return a + b  # the sum of two numbers\n"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
