@@ -5,13 +5,14 @@ a transformers ``save_pretrained`` folder for ``hf:`` models, else a plain state
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
-from geoloco.config import ConfigError, load_config
+from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint
 from geoloco.tasks.hf import PREFIX, require
 from geoloco.tasks.tokenize import END_OF_TEXT
@@ -29,10 +30,10 @@ class ExportError(ValueError):
 def export_run(run_dir: Path, out: Path) -> Path:
     """Export the newest readable checkpoint of ``run_dir`` into ``out``; returns ``out``."""
     run_dir, out = Path(run_dir), Path(out)
-    try:
-        cfg = load_config(run_dir / CONFIG_FILE)
-    except ConfigError as exc:
-        raise ExportError(f"{run_dir} is not a run directory: {exc}") from None
+    try:  # not validated: the paths it names need not exist on this machine
+        cfg = RunConfig.from_dict(json.loads((run_dir / CONFIG_FILE).read_text()))
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{run_dir} is not a run directory: cannot read {CONFIG_FILE} ({exc})") from None
     path = checkpoint.latest_path(run_dir)
     if path is None:
         raise ExportError(f"{run_dir} has no readable checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}")
