@@ -351,41 +351,48 @@ def frame_geometry(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixe
     grids = tuple(ChunkGrid.of(s.shape, tile) for s in layout.specs)
     chunks = chunk_table(grids, k_full)
     n_chunks = np.array([g.n_chunks for g in grids], dtype=np.int64)
-    kept = np.bincount(chunks[:, TENSOR], weights=chunks[:, KEPT], minlength=len(grids)).astype(np.int64)
-    kept_off = np.concatenate([[0], np.cumsum(kept)]).astype(np.int64)
-    levels = 2 * n_chunks if per_chunk else 2 * (n_chunks > 0)
-    tab_off = np.concatenate([[0], np.cumsum(levels)]).astype(np.int64)
-    sizes, counts = np.unique(chunks[:, [NUMEL, KEPT]], axis=0, return_counts=True)
-    index_max = sum(index_bytes_max(int(n), int(k), fixed) * int(c) for (n, k), c in zip(sizes, counts, strict=True))
-    code_total = sum(code_bytes(int(k)) * int(c) for (_, k), c in zip(sizes, counts, strict=True))
-    grid = np.array([[g.rows, g.cols, g.row_tiles, g.col_tiles] for g in grids], dtype=np.int64).reshape(-1, 4)
-    firsts = np.arange(0, len(chunks), SEGMENT_CHUNKS)
-    full = (chunks[:, NUMEL] == tile * tile).astype(np.int64)
-    full_per_segment = np.add.reduceat(full, firsts) if len(full) else full
-    seg_start = np.column_stack([chunks[firsts][:, [TENSOR, CHUNK, FIRST_KEPT, FIRST_CODE]], full_per_segment])
-    for a in (chunks, grid, n_chunks, kept_off, tab_off, seg_start):
+    kept = np.bincount(chunks[:, TENSOR], weights=chunks[:, KEPT], minlength=len(grids))
+    levels = 2 * n_chunks if per_chunk else 2 * (n_chunks > 0)  # a (hi, lo) pair per chunk, or per tensor
+    sizes, counts = np.unique(chunks[:, [NUMEL, KEPT]], axis=0, return_counts=True)  # few distinct chunk sizes
+    geo = FrameGeometry(
+        layout, tile, k_full, per_chunk, fixed, grids, chunks,
+        grid=np.array([[g.rows, g.cols, g.row_tiles, g.col_tiles] for g in grids], dtype=np.int64).reshape(-1, 4),
+        n_chunks=n_chunks, kept_off=_running_total(kept), tab_off=_running_total(levels),
+        seg_start=_segment_starts(chunks, tile * tile), table_bytes=2 * int(levels.sum()),
+        code_bytes=sum(code_bytes(int(k)) * int(c) for (_, k), c in zip(sizes, counts, strict=True)),
+        index_bytes_max=sum(index_bytes_max(int(n), int(k), fixed) * int(c)
+                            for (n, k), c in zip(sizes, counts, strict=True)),
+        index_dtype=np.int32 if max((s.numel for s in layout.specs), default=0) < 2**31 else np.int64)
+    for a in (geo.chunks, geo.grid, geo.n_chunks, geo.kept_off, geo.tab_off, geo.seg_start):
         a.setflags(write=False)
-    index_dtype = np.int32 if max((s.numel for s in layout.specs), default=0) < 2**31 else np.int64
-    return FrameGeometry(layout, tile, k_full, per_chunk, fixed, grids, chunks, grid, n_chunks, kept_off, tab_off,
-                         seg_start.astype(np.int64).reshape(-1, 5), 2 * int(tab_off[-1]), code_total, index_max,
-                         index_dtype)
+    return geo
 
 
-def chunk_table(grids: tuple[ChunkGrid, ...], k_full: int) -> np.ndarray:
+def chunk_table(grids: Sequence[ChunkGrid], k_full: int) -> np.ndarray:
     """FrameGeometry.chunks: every chunk of every tensor, in frame order."""
     parts = []
     for t, g in enumerate(grids):
-        n = g.n_chunks
-        numel = np.full(n, g.size, dtype=np.int64)
-        kept = np.full(n, kept_per_chunk(g.size, k_full, g.size), dtype=np.int64)
-        if n:
-            numel[-1] = g.last_size
-            kept[-1] = kept_per_chunk(g.last_size, k_full, g.size)
-        codes = np.full(n, code_bytes(int(kept[0])) if n else 0, dtype=np.int64)
-        if n:
-            codes[-1] = code_bytes(int(kept[-1]))
-        parts.append(np.column_stack([np.full(n, t), np.arange(n), numel, kept, kept, codes]).astype(np.int64))
-    table = np.concatenate(parts) if parts else np.zeros((0, 6), dtype=np.int64)
+        numel = np.full(g.n_chunks, g.size, dtype=np.int64)
+        numel[-1:] = g.last_size
+        full_k, last_k = kept_per_chunk(g.size, k_full, g.size), kept_per_chunk(g.last_size, k_full, g.size)
+        kept = np.where(numel == g.size, full_k, last_k)
+        codes = np.where(numel == g.size, code_bytes(full_k), code_bytes(last_k))
+        parts.append(np.column_stack([np.full(g.n_chunks, t), np.arange(g.n_chunks), numel, kept, kept, codes]))
+    table = np.concatenate(parts).astype(np.int64) if parts else np.zeros((0, 6), dtype=np.int64)
     table[:, FIRST_KEPT] = np.cumsum(table[:, KEPT]) - table[:, KEPT]
-    table[:, FIRST_CODE] = np.cumsum(table[:, FIRST_CODE]) - table[:, FIRST_CODE]  # from code bytes per chunk
-    return table.reshape(-1, 6)
+    table[:, FIRST_CODE] = np.cumsum(table[:, FIRST_CODE]) - table[:, FIRST_CODE]  # the column held code bytes
+    return table
+
+
+def _running_total(x: np.ndarray) -> np.ndarray:
+    """0, then the cumulative sums of x, as int64."""
+    return np.concatenate([[0], np.cumsum(x, dtype=np.int64)]).astype(np.int64)
+
+
+def _segment_starts(chunks: np.ndarray, size: int) -> np.ndarray:
+    """FrameGeometry.seg_start from the chunk table."""
+    firsts = np.arange(0, len(chunks), SEGMENT_CHUNKS)
+    full = (chunks[:, NUMEL] == size).astype(np.int64)
+    full_per_segment = np.add.reduceat(full, firsts) if len(full) else full
+    starts = chunks[firsts][:, [TENSOR, CHUNK, FIRST_KEPT, FIRST_CODE]]
+    return np.column_stack([starts, full_per_segment]).astype(np.int64).reshape(-1, 5)

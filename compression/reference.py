@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backend import Encoded, NotFinite
+from .backend import ApplyInto, Encoded, NotFinite
 from .format import (
     CODE_PADDING,
     INDEX_ORDER,
@@ -49,6 +49,7 @@ from .layout import (
     TENSOR,
     ChunkGrid,
     FrameGeometry,
+    Layout,
     fixed_width,
     kept_per_chunk,
     rice_max_quotient,
@@ -410,15 +411,16 @@ class ReferenceBackend:
     def encodes(self, device: torch.device) -> bool:
         return True
 
-    def encoder(self, grids, k_full, per_chunk, fixed) -> ReferenceEncoder:
+    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> ReferenceEncoder:
         return ReferenceEncoder(grids, k_full, per_chunk, fixed)
 
-    def decode(self, sections: SparseSections, into=None) -> ReferenceBody:
-        return decode_sparse(sections)
+    def decode(self, sections: SparseSections, into: ApplyInto | None = None) -> ReferenceBody:
+        return decode_sparse(sections)  # into is only ever this backend's start_apply's: None
 
-    def start_apply(self, data, layout, params, weight, alpha) -> None:
+    def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,
+                    alpha: float) -> None:
         return None
 
-    def add_at(self, updates) -> None:
+    def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         for p, idx, step in updates:
             p.view(-1).index_add_(0, idx, step)
