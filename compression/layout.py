@@ -4,7 +4,8 @@ into chunks, and every size the frame format derives from that.
 Chunking follows SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706); docs/codec.md gives the
 exact element order, which is part of the wire format. The scalar formulas here are the
 only place these numbers are computed: they run as plain Python, and numba compiles the
-same functions into the CPU kernels (``register_jitable``).
+same functions into the CPU kernels (``register_jitable``). Numba's on-disk cache checks
+only a kernel's own file: after changing a formula, delete ``compression/_cpu/__pycache__``.
 """
 
 from __future__ import annotations
