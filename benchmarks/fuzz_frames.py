@@ -36,7 +36,7 @@ from geoloco.compression import (
     decode_frame,
     encode_dense,
 )
-from geoloco.compression.frame import HEADER_BYTES
+from geoloco.compression.format import HEADER_BYTES
 
 FUZZ_SPECS = [
     TensorSpec("emb", (96, 64), torch.float32),

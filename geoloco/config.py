@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.compression.frame import MAX_TILE
+from geoloco.compression import MAX_TILE
 from geoloco.profiles import (
     LinkProfile,
     LinkProfileError,
