@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	$(BIN)/geoloco warmup  # the codec kernels into numba's cache: no run compiles them
 	touch $(STAMP)
 
 demo: venv

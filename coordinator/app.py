@@ -23,10 +23,13 @@ from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import RunTotals, write_text_atomic
 from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
+from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
 from geoloco.coordinator.rounds import CodePolicy, RoundState
+from geoloco.coordinator.scalars import TensorBoardScalars
 from geoloco.coordinator.service import CoordinatorServicer
 from geoloco.coordinator.state import CoordinatorState
+from geoloco.metrics_server import MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloco.v1.Coordinator
 PORT_FILE = "coordinator.port"
+METRICS_PORT_FILE = "metrics.port"
 CONFIG_FILE = "config.json"
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
@@ -66,6 +70,11 @@ class Coordinator:
                                       RoundState(start_round, cfg.coordinator.deadline_s))
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
+        self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
+                           if cfg.monitoring.metrics_port is not None else None)
+        self.tensorboard = TensorBoardScalars(self.run_dir) if cfg.monitoring.tensorboard else None
+        self.loop.observers += [o for o in (self.prometheus, self.tensorboard) if o is not None]
+        self.metrics_server: MetricsServer | None = None
         self.port: int | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -83,6 +92,7 @@ class Coordinator:
             raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
                           "coordinator running there? pick a free port, or port 0") from None
         self._server.start()
+        self._serve_metrics()
         write_text_atomic(self.run_dir / PORT_FILE, f"{self.port}\n")
         log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
                  "(%d parameters)", listen, self.port, self.cfg.workers, self.cfg.rounds,
@@ -92,6 +102,16 @@ class Coordinator:
         self._thread = threading.Thread(target=self.loop.run, name="round-loop", daemon=True)
         self._thread.start()
         return self.port
+
+    def _serve_metrics(self) -> None:
+        """/metrics for Prometheus when monitoring.metrics_port is set; its port goes to
+        run_dir/metrics.port."""
+        if self.prometheus is None:
+            return
+        mon = self.cfg.monitoring
+        self.metrics_server = MetricsServer(self.prometheus.registry, mon.metrics_host, mon.metrics_port)
+        write_text_atomic(self.run_dir / METRICS_PORT_FILE, f"{self.metrics_server.port}\n")
+        log.info("metrics on http://%s:%d/metrics", mon.metrics_host, self.metrics_server.port)
 
     def _build_server(self) -> grpc.Server:
         threads = 3 * self.cfg.workers + 8  # Push + Rounds + FetchState per worker, health
@@ -119,6 +139,11 @@ class Coordinator:
             self._health.enter_graceful_shutdown()
             self._server.stop(grace).wait()
             self._server = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def save_checkpoint(self, next_round: int) -> Path:
         """Write the parameters at the start of ``next_round`` with everything else."""

@@ -9,22 +9,32 @@ import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 from torch import Tensor, nn
 
 from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint
-from geoloco.coordinator.metrics import MetricsWriter, RoundTiming, round_metrics
+from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RoundTiming, round_metrics
 from geoloco.coordinator.outer import OuterOptimizer, Update
 from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
 from geoloco.coordinator.state import CoordinatorState
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.schedule import lr_at
 from geoloco.tasks import Task
 
 log = logging.getLogger(__name__)
 
 VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # val_every None: larger models only at checkpoints/end
+
+
+class RoundObserver(Protocol):
+    """Something that takes every round's metrics beside metrics.jsonl (Prometheus,
+    TensorBoard)."""
+
+    def write_round(self, m: RoundMetrics) -> None:
+        """Called once per closed round, after its line is in metrics.jsonl."""
 
 
 class RoundLoop:
@@ -43,6 +53,7 @@ class RoundLoop:
         self.fixed = fixed_tensors(model, state.params)
         self.run_dir = Path(run_dir)
         self.metrics = MetricsWriter(self.run_dir)
+        self.observers: list[RoundObserver] = []
         self.failed = False
         self.done = threading.Event()
         self._started_at = time.monotonic()
@@ -73,7 +84,8 @@ class RoundLoop:
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
         closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
         with self.state.publishing(closed):  # FetchState waits for the apply
-            timing = RoundTiming(published_at=time.monotonic())
+            timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
+                                 elapsed_seconds=self.elapsed_seconds())
             self.state.apply(update, closed)
         timing.applied_at = time.monotonic()
         val = self.task.val_loss(self.model) if self.val_due(rs.round + 1) else None
@@ -101,13 +113,21 @@ class RoundLoop:
     def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,
                val: float | None) -> None:
         """The round's line in metrics.jsonl, the run totals, one log line."""
-        m = round_metrics(rs, closed, timing, val)
+        inner = self.cfg.inner
+        lr = lr_at(inner, rs.round * inner.steps, self.cfg.rounds * inner.steps)
+        m = round_metrics(rs, closed, timing, val, lr)
         self.state.totals.add(m, max(self.state.live_count(), 1))
         self.metrics.write_round(m)
+        for observer in self.observers:
+            observer.write_round(m)
         up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
         log.info("round %d: val_loss %s, arrived %d/%d (%s), up %s B/worker, down %d B/worker, "
                  "%.2f s", m.round, _fmt(m.val_loss), len(m.arrived), self.cfg.workers,
                  m.close_reason, up, m.download_bytes_per_worker, m.round_seconds)
+
+    def elapsed_seconds(self) -> float:
+        """The run's wall time so far, the time before a resume included."""
+        return self.state.totals.wall_seconds + time.monotonic() - self._started_at
 
     def checkpoint_if_due(self, next_round: int) -> None:
         every = self.cfg.coordinator.checkpoint_every
@@ -118,7 +138,7 @@ class RoundLoop:
         """Write the parameters at the start of ``next_round`` with everything else."""
         workers = self.state.workers_dict()
         totals = asdict(self.state.totals)
-        totals["wall_seconds"] = self.state.totals.wall_seconds + time.monotonic() - self._started_at
+        totals["wall_seconds"] = self.elapsed_seconds()
         names = [spec.name for spec in self.state.layout.specs]
         params = dict(zip(names, self.state.params_copy(), strict=True))
         ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,

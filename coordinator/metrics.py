@@ -1,5 +1,5 @@
 """Run metrics: one JSON line per round in ``metrics.jsonl`` and the end-of-run
-``summary.json`` (rounds, losses, bytes, where a round's time went; docs/protocol.md)."""
+``summary.json`` (rounds, losses, bytes, where a round's time went, when; docs/protocol.md)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ class RoundMetrics:
     worker_apply_seconds_max: float | None = None  # slowest apply of the previous result
     close_seconds: float | None = None  # last arrival -> broadcast (the coordinator's share)
     coordinator_apply_seconds: float | None = None  # apply + digest, after the broadcast
+    decode_seconds: float | None = None  # mean check-and-decode time of the arrived frames
+    decode_seconds_by_worker: dict[int, float] = field(default_factory=dict)
+    # Each arrived worker's round as the coordinator saw it, from the round's opening (the
+    # previous broadcast): its own work (apply the previous result, train, encode), the
+    # rest until its frame was in (the result's download, the push's upload, an emulated
+    # straggler's sleep), then waiting for the round to close (round_seconds in all).
+    compute_seconds_by_worker: dict[int, float] = field(default_factory=dict)
+    send_seconds_by_worker: dict[int, float] = field(default_factory=dict)
+    wait_seconds_by_worker: dict[int, float] = field(default_factory=dict)
+    max_coefficient: float | None = None  # the largest |a_i| the round decoded with
+    lr: float | None = None  # the inner learning rate at the round's first inner step
+    time: float | None = None  # wall clock (Unix seconds) at the broadcast
+    elapsed_seconds: float | None = None  # since the run started (a resume carries it on)
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -52,7 +65,9 @@ class RoundMetrics:
         data = asdict(self)
         data["upload_bytes"] = {str(k): v for k, v in self.upload_bytes.items()}
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
-        data["partitions_trained"] = {str(k): v for k, v in self.partitions_trained.items()}
+        for name in ("partitions_trained", "decode_seconds_by_worker", "compute_seconds_by_worker",
+                     "send_seconds_by_worker", "wait_seconds_by_worker"):
+            data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
         return json.dumps(_finite(data), sort_keys=True)
@@ -60,19 +75,25 @@ class RoundMetrics:
 
 @dataclass
 class RoundTiming:
-    """The coordinator's clock for one round after it closed."""
+    """The coordinator's clock for one round after it closed: monotonic readings, the wall
+    clock at the broadcast, and the run's elapsed time then."""
 
     published_at: float
     applied_at: float = 0.0
+    wall_time: float | None = None
+    elapsed_seconds: float | None = None
 
 
 def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
-                  val_loss: float | None) -> RoundMetrics:
+                  val_loss: float | None, lr: float | None = None) -> RoundMetrics:
     """The metrics line of the closed round ``rs``, broadcast as ``closed``."""
-    seconds = timing.published_at - (rs.opened_at or timing.published_at)
+    opened = rs.opened_at or timing.published_at
+    seconds = timing.published_at - opened
     arrivals = list(rs.arrivals.values())
     computes = [a.compute_seconds for a in arrivals]
     encodes = [a.encode_seconds for a in arrivals]
+    work = {a.worker: a.apply_seconds + a.compute_seconds + a.encode_seconds for a in arrivals}
+    arrived_after = {a.worker: max(0.0, a.received_at - opened) for a in arrivals}
     losses = [a.train_loss for a in arrivals if a.train_loss == a.train_loss]
     chosen = [a for a, _ in rs.chosen()]
     return RoundMetrics(
@@ -93,6 +114,13 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         close_seconds=(timing.published_at - max(a.received_at for a in chosen)
                        if chosen else None),
         coordinator_apply_seconds=timing.applied_at - timing.published_at,
+        decode_seconds=_mean([a.decode_seconds for a in arrivals]),
+        decode_seconds_by_worker={a.worker: a.decode_seconds for a in arrivals},
+        compute_seconds_by_worker=work,
+        send_seconds_by_worker={w: max(0.0, t - work[w]) for w, t in arrived_after.items()},
+        wait_seconds_by_worker={w: max(0.0, seconds - t) for w, t in arrived_after.items()},
+        max_coefficient=max((abs(a) for a in rs.decision.coefficients.values()), default=None),
+        lr=lr, time=timing.wall_time, elapsed_seconds=timing.elapsed_seconds,
     )
 
 

@@ -28,6 +28,7 @@ class Arrival:
     partitions: tuple[int, ...] = ()
     encode_seconds: float = 0.0  # the worker's compression time for this frame
     apply_seconds: float = 0.0  # the worker's time to apply the previous round result
+    decode_seconds: float = 0.0  # the coordinator's time to check and decode the frame
     received_at: float = field(default_factory=time.monotonic)
 
 

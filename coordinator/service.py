@@ -155,13 +155,15 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             return str(exc)
         try:
             data = self._read_frame(h, it)
+            decode_started = time.monotonic()
             frame = self._decode(h, data)
         except FrameError as exc:
             self.state.count_rejected()
             return str(exc)
         try:
             self.state.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
-                                      tuple(h.partitions), h.encode_seconds, h.apply_seconds))
+                                      tuple(h.partitions), h.encode_seconds, h.apply_seconds,
+                                      decode_seconds=time.monotonic() - decode_started))
         except RoundError as exc:
             return str(exc)
         return None

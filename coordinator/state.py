@@ -41,6 +41,21 @@ class StateSnapshot(NamedTuple):
     data: bytes
 
 
+class Overview(NamedTuple):
+    """What a monitor reads of the state at any moment (no secrets): the open round, when
+    it opened (monotonic; None before it opens), its frames in so far, the rounds done, the
+    live workers, those following the Rounds stream, and each worker's FetchState calls."""
+
+    round: int
+    opened_at: float | None
+    arrived: int
+    rounds_done: int
+    initial_val_loss: float | None
+    live: list[int]
+    following: list[int]
+    state_fetches: dict[int, int]
+
+
 class CoordinatorState:
     """The coordinator's shared state; every method is thread-safe.
 
@@ -231,6 +246,14 @@ class CoordinatorState:
             counts = self.rs.rejected, self.rs.late
             self.rs.rejected = self.rs.late = 0
             return counts
+
+    def overview(self) -> Overview:
+        with self.lock:
+            records = self.registry.records
+            return Overview(self.rs.round, self.rs.opened_at, len(self.rs.arrivals),
+                            self.totals.rounds, self.totals.initial_val_loss,
+                            sorted(i for i, r in records.items() if r.live), sorted(self.subscribers),
+                            {i: r.state_fetches for i, r in records.items()})
 
     def live_count(self) -> int:
         with self.lock:

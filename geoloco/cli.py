@@ -1,6 +1,6 @@
 """The ``geoloco`` command: ``local`` (coordinator + workers on emulated WAN links),
-``coordinator``, ``worker`` and ``export``; a config file plus flags, mapped onto
-geoloco.config.
+``coordinator``, ``worker``, ``export``, ``warmup`` (compile the codec once) and ``report``
+(plots of runs); a config file plus flags, mapped onto geoloco.config.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
 import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -26,6 +27,7 @@ from geoloco.config import ConfigError, RunConfig, load_config  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 EXIT_EXPORT_FAILED = 1
+EXIT_REPORT_FAILED = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # flag attribute -> config field; only flags given on the command line override the file
@@ -35,6 +37,7 @@ LOCAL_FLAGS = {
     "scheme": "coding.scheme", "stragglers": "coding.stragglers",
     "per_worker_wan": "network.per_worker", "straggler": "stragglers.per_worker",
     "seed": "seed", "deadline": "coordinator.deadline_s",
+    "metrics_port": "monitoring.metrics_port", "progress": "monitoring.progress",
 }
 # `geoloco local` without --config: sized so 4 workers on 2 CPU cores finish in a few minutes
 # (gpt-tiny, 20 rounds of H = 10 inner steps on 16 x 64-byte sequences).
@@ -42,11 +45,13 @@ LOCAL_DEMO_DEFAULTS = {"rounds": "20", "inner.steps": "10", "inner.warmup_steps"
 COORDINATOR_FLAGS = {
     "listen": "coordinator.listen", "workers": "workers", "rounds": "rounds",
     "run_dir": "run_dir", "token": "coordinator.token", "deadline": "coordinator.deadline_s",
+    "metrics_port": "monitoring.metrics_port", "metrics_host": "monitoring.metrics_host",
 }
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
     "connect_timeout": "worker.connect_timeout_s", "token": "coordinator.token",
     "precision": "worker.precision",
+    "metrics_port": "monitoring.worker_metrics_port", "metrics_host": "monitoring.metrics_host",
 }
 MODEL_HELP = ("a preset (gpt-tiny | gpt-small | gpt-medium | gpt-100m), module:function or "
               "file.py:function (a factory of an nn.Module), or hf:PATH (a transformers config or "
@@ -74,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator(sub)
     _add_worker(sub)
     _add_export(sub)
+    _add_warmup(sub)
+    _add_report(sub)
     return parser
 
 
@@ -83,6 +90,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override one config field, e.g. --set inner.steps=30 (repeatable)")
     p.add_argument("--log-file", metavar="FILE", help="also write the log to FILE")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
+    if host:
+        p.add_argument("--metrics-host", metavar="HOST",
+                       help="address the metrics bind to (default 127.0.0.1: plaintext HTTP, "
+                       "keep it off public interfaces)")
 
 
 def _add_local(sub: Any) -> None:
@@ -108,6 +124,9 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
     p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail when no round closes for this long (default: deadline + 120 s)")
+    p.add_argument("--progress", choices=("auto", "bar", "lines"),
+                   help="a progress bar, or one plain line per round (auto: the bar on a terminal)")
+    _metrics_flags(p, host=False)
     p.set_defaults(run=_run_local)
 
 
@@ -122,6 +141,7 @@ def _add_coordinator(sub: Any) -> None:
     p.add_argument("--token", help="shared secret the workers present")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    _metrics_flags(p)
     p.set_defaults(run=_run_coordinator)
 
 
@@ -145,6 +165,7 @@ def _add_worker(sub: Any) -> None:
                    help="reclaim the worker id and session in this JSON file (written by the "
                    "container entrypoint's join-and-apply step)")
     p.add_argument("--wait-for", metavar="FILE", help=argparse.SUPPRESS)  # launcher: join order
+    _metrics_flags(p)
     p.set_defaults(run=_run_worker)
 
 
@@ -157,6 +178,28 @@ def _add_export(sub: Any) -> None:
     p.add_argument("out", metavar="OUT", help="folder to write (created; files in it are replaced)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=_run_export)
+
+
+def _add_warmup(sub: Any) -> None:
+    p = sub.add_parser("warmup", help="compile the codec's kernels once, so no run pays for it",
+                       description="Encode, decode and apply a small stand-in model once: numba "
+                       "compiles the codec's kernels (about a minute on two cores) into its cache, "
+                       "where every later process finds them. `make venv` runs it.")
+    _common(p)
+    p.set_defaults(run=_run_warmup)
+
+
+def _add_report(sub: Any) -> None:
+    p = sub.add_parser("report", help="plots and a Markdown summary of one or more runs",
+                       description="Write PNGs (loss against wall time and against bytes sent, "
+                       "the runs overlaid; per run a worker timeline, bytes per round, round time "
+                       "against its limit) and report.md beside them.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.jsonl)")
+    p.add_argument("--out", metavar="DIR", help="where the report goes (default: RUN_DIR/report "
+                   "of the first run)")
+    p.add_argument("--label", action="append", default=[], metavar="NAME",
+                   help="a run's name in the legends, in RUN_DIR order (default: the folder name)")
+    p.set_defaults(run=_run_report)
 
 
 def resolve_config(args: argparse.Namespace, flags: dict[str, str],
@@ -213,7 +256,36 @@ def _run_worker(args: argparse.Namespace) -> int:
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
         identity_file=args.identity_file, precision=cfg.worker.precision,
+        metrics=_worker_metrics(cfg),
     )
+
+
+def _run_warmup(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args, {})
+    configure_logging(args.log_file, args.verbose)
+    import torch
+
+    from geoloco.compression import Layout
+    from geoloco.worker.encoder import FrameEncoder
+
+    start = time.monotonic()
+    FrameEncoder(Layout.from_named_tensors([("w", torch.zeros(1))]), cfg.compression).warm_up()
+    print(f"codec kernels ready in {time.monotonic() - start:.1f}s")
+    return 0
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    configure_logging(None)
+    from geoloco.report import ReportError, write_report
+
+    try:
+        out = write_report([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None,
+                           args.label)
+    except ReportError as exc:
+        print(f"geoloco: report: {exc}", file=sys.stderr)
+        return EXIT_REPORT_FAILED
+    print(out)
+    return 0
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -227,6 +299,11 @@ def _run_export(args: argparse.Namespace) -> int:
         return EXIT_EXPORT_FAILED
     print(out)
     return 0
+
+
+def _worker_metrics(cfg: RunConfig) -> tuple[str, int] | None:
+    port = cfg.monitoring.worker_metrics_port
+    return None if port is None else (cfg.monitoring.metrics_host, port)
 
 
 def _check_profile(text: str) -> None:

@@ -31,6 +31,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 AGGREGATIONS = ("mean", "mean_kept")
+PROGRESS_STYLES = ("auto", "bar", "lines")
 
 
 class ConfigError(ValueError):
@@ -155,6 +156,25 @@ class WorkerConfig:
 
 
 @dataclass
+class MonitoringConfig:
+    """Watching a run (docs/monitoring.md): Prometheus metrics over plain HTTP, TensorBoard
+    scalars, and how ``geoloco local`` shows its progress."""
+
+    # the coordinator's /metrics (geoloco coordinator, geoloco local); None: off, 0: a free
+    # port, written to run_dir/metrics.port
+    metrics_port: int | None = None
+    # a worker's own /metrics (geoloco worker; geoloco local gives worker i this port + i,
+    # or free ports for 0); None: off
+    worker_metrics_port: int | None = None
+    # the address both bind: loopback by default, since /metrics is plaintext HTTP without
+    # authentication; 0.0.0.0 only where the network around it is private (a container's)
+    metrics_host: str = "127.0.0.1"
+    tensorboard: bool = False  # TensorBoard scalars of every round in run_dir/tensorboard
+    progress: str = "auto"  # geoloco local: bar | lines (one plain line per round) | auto:
+    # the bar on a terminal, lines otherwise (CI, logs)
+
+
+@dataclass
 class RunConfig:
     workers: int = 4
     rounds: int = 20
@@ -169,6 +189,7 @@ class RunConfig:
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,6 +226,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_choice("worker.precision", cfg.worker.precision, PRECISIONS)
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
     _check_address("worker.coordinator", cfg.worker.coordinator)
+    _check_monitoring(cfg.monitoring)
     return cfg
 
 
@@ -339,6 +361,19 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
         raise ConfigError("coordinator.token must not be empty")
 
 
+def _check_monitoring(mon: MonitoringConfig) -> None:
+    for name in ("metrics_port", "worker_metrics_port"):
+        port = getattr(mon, name)
+        if port is not None:
+            _check_range(f"monitoring.{name}", port, 0, 65535)
+    if not isinstance(mon.metrics_host, str) or not mon.metrics_host:
+        raise ConfigError(f"monitoring.metrics_host: {mon.metrics_host!r} is not a host name or address")
+    _check_address("monitoring.metrics_host", f"{mon.metrics_host}:0")
+    _check_choice("monitoring.progress", mon.progress, PROGRESS_STYLES)
+    if not isinstance(mon.tensorboard, bool):
+        raise ConfigError(f"monitoring.tensorboard: {mon.tensorboard!r} is not true or false")
+
+
 def _check_address(name: str, value: str) -> None:
     try:
         parse_address(value)
@@ -444,4 +479,5 @@ _SECTIONS: dict[str, type] = {
     "StragglerConfig": StragglerConfig,
     "CoordinatorConfig": CoordinatorConfig,
     "WorkerConfig": WorkerConfig,
+    "MonitoringConfig": MonitoringConfig,
 }

@@ -1,6 +1,6 @@
 """``geoloco local`` and ``geoloco.run_local``: the coordinator and N worker processes on
-loopback, each worker behind its own link emulator relay, with live progress from
-metrics.jsonl, a summary table and a RunResult.
+loopback, each worker behind its own link emulator relay, with its start-up phases and
+live progress from metrics.jsonl (geoloco.progress), a summary table and a RunResult.
 """
 
 from __future__ import annotations
@@ -20,20 +20,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from geoloco.compression.kernel_cache import kernels_cached
 from geoloco.config import RunConfig, load_config, validate
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
+from geoloco.progress import RunProgress, make_progress, number, size
 
 log = logging.getLogger(__name__)
 
 PORT_FILE = "coordinator.port"
+METRICS_PORT_FILE = "metrics.port"
 START_TIMEOUT_S = 120.0  # coordinator start-up (imports, task build) and each worker's join
+WARMUP_TIMEOUT_S = 900.0  # compiling the codec kernels (about a minute on two idle cores)
 POLL_S = 0.25
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 LOG_TAIL_LINES = 30
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
-STALE = ("metrics.jsonl", "summary.json", PORT_FILE)
+STALE = ("metrics.jsonl", "summary.json", PORT_FILE, METRICS_PORT_FILE)
 
 
 class LaunchError(RuntimeError):
@@ -105,11 +109,12 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
 
 
 def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
-              stall_timeout_s: float | None = None) -> RunResult:
+              stall_timeout_s: float | None = None, progress: RunProgress | None = None) -> RunResult:
     """Run a whole training job locally: the coordinator and ``workers`` worker processes
-    on loopback; returns the RunResult once every process has ended."""
+    on loopback; returns the RunResult once every process has ended. ``progress`` shows
+    it (default: monitoring.progress on stdout)."""
     cfg = as_config(config)
-    run = LocalRun(cfg, stall_timeout_s)
+    run = LocalRun(cfg, stall_timeout_s, progress)
     previous = _raise_on_signals()
     try:
         run.start()
@@ -121,6 +126,7 @@ def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
         log.warning("interrupted: stopping the coordinator and the workers")
         return RunResult(EXIT_INTERRUPTED, run.run_dir, run.read_summary(), "interrupted")
     finally:
+        run.progress.close()
         run.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -142,12 +148,15 @@ def _raise_on_signals() -> dict[int, Any]:
 class LocalRun:
     """The processes and relays of one local run and the progress read from its run dir."""
 
-    def __init__(self, cfg: RunConfig, stall_timeout_s: float | None = None) -> None:
+    def __init__(self, cfg: RunConfig, stall_timeout_s: float | None = None,
+                 progress: RunProgress | None = None) -> None:
         self.cfg = cfg
+        self.progress = progress or make_progress(cfg.monitoring.progress, cfg.rounds)
         self.run_dir = Path(cfg.run_dir)
         self.stall_timeout_s = stall_timeout_s or cfg.coordinator.deadline_s + 120.0
         self.coordinator: Child | None = None
         self.workers: list[Child] = []
+        self.warmup: Child | None = None
         self.relays: list[RelayThread] = []
         self.exits = contextlib.ExitStack()
         self.metrics_offset = 0
@@ -157,17 +166,50 @@ class LocalRun:
 
     def start(self) -> None:
         self._prepare_dir()
+        self.progress.phase(f"run {self.run_dir}: starting the coordinator (task and model)")
+        self._start_warmup()
         port = self._start_coordinator()
+        self.progress.phase(f"coordinator up on 127.0.0.1:{port}{self._metrics_note()}")
         for i in range(self.cfg.workers):
             relay = self.exits.enter_context(
                 RelayThread(target=("127.0.0.1", port), profile=self.cfg.network.profile_for(i), seed=self.cfg.seed + i)
             )
             self.relays.append(relay)
             self.workers.append(self._spawn(f"worker-{i}", self._worker_args(i, relay.port)))
+        self._finish_warmup()
         for i in range(self.cfg.workers):
             self._admit(i)
-        log.info("run %s: coordinator on port %d, %d workers joined (links: %s)", self.run_dir, port,
-                 self.cfg.workers, ", ".join(str(self.cfg.network.profile_for(i)) for i in range(self.cfg.workers)))
+        self.progress.phase(f"{self.cfg.workers} workers joined, {self._links()}")
+        self.progress.phase("round 1 running: the workers build the model and train")
+
+    def _start_warmup(self) -> None:
+        """Compile the codec's kernels in one process of their own when numba's cache lacks
+        them (a fresh install), instead of in every worker at once."""
+        if self.cfg.compression.method == "sparseloco" and not kernels_cached():
+            self.progress.phase("compiling codec kernels, first run only (about a minute)")
+            self.warmup = self._spawn("warmup", ["warmup"])
+
+    def _finish_warmup(self) -> None:
+        if self.warmup is None:
+            return
+        started = time.monotonic()
+        self._wait(lambda: self.warmup.proc.poll() is not None, "the codec kernels to compile",
+                   WARMUP_TIMEOUT_S)
+        if self.warmup.proc.returncode != 0:
+            raise LaunchError(f"compiling the codec kernels failed; last lines of {self.warmup.log_path}:\n"
+                              f"{self.warmup.tail()}")
+        self.progress.phase(f"codec kernels compiled ({time.monotonic() - started:.0f} s more); "
+                            "later runs load them")
+
+    def _metrics_note(self) -> str:
+        path = self.run_dir / METRICS_PORT_FILE
+        if self.cfg.monitoring.metrics_port is None or not path.exists():
+            return ""
+        return f", metrics on http://{self.cfg.monitoring.metrics_host}:{path.read_text().strip()}/metrics"
+
+    def _links(self) -> str:
+        links = [str(self.cfg.network.profile_for(i)) for i in range(self.cfg.workers)]
+        return f"each on a {links[0]} link" if len(set(links)) == 1 else "links " + ", ".join(links)
 
     def _prepare_dir(self) -> None:
         """Clear what a previous run left in the run dir, then create its folders."""
@@ -195,7 +237,15 @@ class LocalRun:
                 "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / "workers"),
-                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}")]
+                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}"), *self._worker_metrics_args(i)]
+
+    def _worker_metrics_args(self, i: int) -> list[str]:
+        """Worker i's /metrics: monitoring.worker_metrics_port + i, or a free port for 0."""
+        mon = self.cfg.monitoring
+        if mon.worker_metrics_port is None:
+            return []
+        port = mon.worker_metrics_port + i if mon.worker_metrics_port else 0
+        return ["--metrics-port", str(port), "--metrics-host", mon.metrics_host]
 
     def _admit(self, i: int) -> None:
         """Open worker i's gate and wait for its join, so worker ids follow process order and
@@ -217,12 +267,12 @@ class LocalRun:
                                 stderr=subprocess.STDOUT, env=env)
         return Child(name, proc, path, out)
 
-    def _wait(self, ready: Any, what: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait(self, ready: Any, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
         while not ready():
             self._check_children()
             if time.monotonic() > deadline:
-                raise LaunchError(f"timed out after {START_TIMEOUT_S:g}s waiting for {what}")
+                raise LaunchError(f"timed out after {timeout_s:g}s waiting for {what}")
             time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ watch
@@ -244,7 +294,7 @@ class LocalRun:
         self._check_children()
 
     def _check_children(self) -> None:
-        for child in [self.coordinator, *self.workers]:
+        for child in [self.coordinator, self.warmup, *self.workers]:
             code = child.proc.poll() if child else None
             if code not in (None, 0):
                 raise LaunchError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
@@ -261,14 +311,14 @@ class LocalRun:
         self.metrics_offset += len(complete.encode())
         for line in complete.splitlines():
             if line.strip():
-                print(progress_line(json.loads(line), self.cfg.rounds), flush=True)
+                self.progress.round(json.loads(line))
         return bool(complete)
 
     # ------------------------------------------------------------------ stop and report
 
     def stop(self) -> None:
         """Stop whatever still runs (SIGTERM, then SIGKILL), close relays and logs."""
-        children = [c for c in [self.coordinator, *self.workers] if c is not None]
+        children = [c for c in [self.coordinator, self.warmup, *self.workers] if c is not None]
         for child in children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -292,7 +342,8 @@ class LocalRun:
         summary_path = self.run_dir / "summary.json"
         summary = self.read_summary()
         workers = self.worker_reports()
-        summary["digest_mismatches"] = sum(w.get("resyncs", 0) for w in workers)
+        summary["digest_mismatches"] = sum(w.get("digest_mismatches", 0) for w in workers)
+        summary["worker_resyncs"] = sum(w.get("resyncs", 0) for w in workers)
         summary["worker_final_digests"] = {str(w["worker_id"]): w.get("digest") for w in workers}
         summary["relay_bytes"] = {str(i): {"up": r.bytes_up, "down": r.bytes_down} for i, r in enumerate(self.relays)}
         summary.setdefault("wall_seconds", time.monotonic() - self.started)
@@ -307,48 +358,22 @@ class LocalRun:
         return [json.loads(p.read_text()) for p in paths]
 
 
-def progress_line(m: dict[str, Any], rounds: int) -> str:
-    """One line per closed round: loss, bytes per worker, compute vs wait, round time."""
-    arrived = m.get("arrived") or []
-    return (
-        f"round {m['round'] + 1:>3}/{rounds}  val {_num(m.get('val_loss'), '.4f')}  "
-        f"train {_num(m.get('train_loss'), '.4f')}  "
-        f"up {_bytes(m.get('upload_bytes_per_worker'))}/worker  "
-        f"down {_bytes(m.get('download_bytes_per_worker'))}/worker  "
-        f"compute {_num(m.get('compute_seconds'), '.2f')}s  wait {_num(m.get('wait_seconds'), '.2f')}s  "
-        f"round {_num(m.get('round_seconds'), '.2f')}s  arrived {len(arrived)}"
-    )
-
-
 def summary_table(summary: dict[str, Any], workers: list[dict[str, Any]], run_dir: Path) -> str:
     up, dense = summary.get("upload_bytes_per_worker_round"), summary.get("dense_fp32_bytes")
     rows = [
         ("rounds", str(summary.get("rounds"))),
-        ("val loss", f"{_num(summary.get('initial_val_loss'), '.4f')} -> {_num(summary.get('final_val_loss'), '.4f')}"),
-        ("upload / worker / round", f"{_bytes(up)} (dense fp32 {_bytes(dense)}, "
-                                    f"ratio {_num(up / dense if up and dense else None, '.4f')})"),
-        ("download / worker / round", _bytes(summary.get("download_bytes_per_worker_round"))),
+        ("val loss", f"{number(summary.get('initial_val_loss'), '.4f')} -> {number(summary.get('final_val_loss'), '.4f')}"),
+        ("upload / worker / round", f"{size(up)} (dense fp32 {size(dense)}, "
+                                    f"ratio {number(up / dense if up and dense else None, '.4f')})"),
+        ("download / worker / round", size(summary.get("download_bytes_per_worker_round"))),
         ("digest mismatches", str(summary.get("digest_mismatches"))),
-        ("wall seconds", _num(summary.get("wall_seconds"), ".1f")),
+        ("wall seconds", number(summary.get("wall_seconds"), ".1f")),
     ]
     lines = [f"summary of {run_dir}"] + [f"  {k:<27}{v}" for k, v in rows]
     lines.append(f"  {'worker':<8}{'relay up':>12}{'relay down':>12}{'resyncs':>9}  final digest")
     relays = summary.get("relay_bytes", {})
     for w in workers:
         r = relays.get(str(w["worker_id"]), {})
-        lines.append(f"  {w['worker_id']:<8}{_bytes(r.get('up')):>12}{_bytes(r.get('down')):>12}"
+        lines.append(f"  {w['worker_id']:<8}{size(r.get('up')):>12}{size(r.get('down')):>12}"
                      f"{w.get('resyncs', 0):>9}  {(w.get('digest') or '-')[:16]}")
     return "\n".join(lines)
-
-
-def _num(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _bytes(value: Any) -> str:
-    if value is None:
-        return "-"
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if value >= scale:
-            return f"{value / scale:.1f} {unit}"
-    return f"{value:.0f} B"

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
 from geoloco.transport import CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.loop import Worker
+from geoloco.worker.prometheus import worker_registry
 from geoloco.worker.session import Session, read_identity
 from geoloco.worker.trainer import InnerStep
 
@@ -37,11 +39,13 @@ def run_worker(
     wait_for: str | Path | None = None,
     identity_file: str | Path | None = None,
     precision: str = "auto",
+    metrics: tuple[str, int] | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
     ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
-    ``identity_file`` makes the first Join reclaim the id and session written there."""
+    ``identity_file`` makes the first Join reclaim the id and session written there;
+    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there."""
     torch.set_num_threads(threads)
     if wait_for is not None:
         _wait_for_file(Path(wait_for))
@@ -51,8 +55,10 @@ def run_worker(
             session = Session(address, token, connect_timeout_s, identity)
             worker = Worker(session, device, Path(report_dir) if report_dir else None,
                             precision=precision)
-            return worker.run()
-    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError) as exc:
+            with _metrics(worker, metrics):
+                return worker.run()
+    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError,
+            OSError) as exc:
         log.error("worker failed: %s", exc)
         return EXIT_FAILED
     except KeyboardInterrupt:
@@ -117,6 +123,19 @@ def _link(address: str, profile: str | None) -> Iterator[str]:
     with RelayThread(target=parse_address(address), profile=link, seed=0) as relay:
         log.info("emulating link %s to %s through 127.0.0.1:%d", link, address, relay.port)
         yield f"127.0.0.1:{relay.port}"
+
+
+@contextlib.contextmanager
+def _metrics(worker: Worker, address: tuple[str, int] | None) -> Iterator[None]:
+    if address is None:
+        yield
+        return
+    server = MetricsServer(worker_registry(worker), *address)
+    log.info("metrics on http://%s:%d/metrics", server.host, server.port)
+    try:
+        yield
+    finally:
+        server.close()
 
 
 def _wait_for_file(path: Path, poll_s: float = 0.05) -> None:

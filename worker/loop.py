@@ -47,6 +47,7 @@ class Counters:
     """What worker-<id>.json reports beside the status (the launcher sums the resyncs)."""
 
     resyncs: int = 0
+    digest_mismatches: int = 0
     rejected_pushes: int = 0
     reconnects: int = 0
     bytes_pushed: int = 0
@@ -206,6 +207,7 @@ class Worker:
             self.task = None
             raise
         if not ok:
+            self.counters.digest_mismatches += 1
             log.warning("round %d: digest mismatch (mine %s, coordinator %s)", check.header.round,
                         check.mine[:16], check.expected.result()[:16])
             self.resync(check.header)

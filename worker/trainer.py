@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from geoloco.config import InnerConfig
 from geoloco.replica import replica_tensors
+from geoloco.schedule import lr_at
 from geoloco.tasks import Batch, BatchIterator, Task
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,6 @@ def resolve_precision(choice: str, device: torch.device) -> str:
         raise RuntimeError(f"worker.precision is 'bf16' but {describe_device(device)} has no bf16; "
                            "use 'auto' or 'fp32'")
     return choice
-
-
-def lr_at(inner: InnerConfig, global_step: int, total_steps: int) -> float:
-    """Linear warm-up to ``inner.lr`` over ``warmup_steps``, then cosine decay to
-    ``lr * min_lr_ratio`` at ``total_steps`` (the whole run's inner steps)."""
-    if global_step < inner.warmup_steps:
-        return inner.lr * (global_step + 1) / inner.warmup_steps
-    span = max(1, total_steps - inner.warmup_steps)
-    progress = min(1.0, (global_step - inner.warmup_steps) / span)
-    floor = inner.lr * inner.min_lr_ratio
-    return floor + 0.5 * (inner.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 InnerStep = Callable[["InnerTrainer", Batch], float]
