@@ -56,6 +56,10 @@ class CoordinatorMetrics:
                                      buckets=FRAME_BYTES_BUCKETS, registry=r)
         r.register(StateCollector(state, cfg, worst_coefficient))
         self.state = state
+        for counter in (self.upload, self.download, self.clipped, self.missed, self.compute,
+                        self.send, self.wait):
+            for worker in range(cfg.workers):  # every worker's series from the first scrape
+                counter.labels(str(worker))
 
     def write_round(self, m: RoundMetrics) -> None:
         self.rounds.inc()

@@ -166,7 +166,7 @@ class LocalRun:
 
     def start(self) -> None:
         self._prepare_dir()
-        self.progress.phase(f"run {self.run_dir}: starting the coordinator (task and model)")
+        self.progress.phase("starting the coordinator (task and model)")
         self._start_warmup()
         port = self._start_coordinator()
         self.progress.phase(f"coordinator up on 127.0.0.1:{port}{self._metrics_note()}")

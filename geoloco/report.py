@@ -115,6 +115,8 @@ def plot_loss(plt: Any, runs: list[Run], path: Path, against: str) -> Path:
         x = run.elapsed if against == "time" else run.bytes_sent
         for key, style, label in (("val_loss", "-", "val"), ("train_loss", ":", "train")):
             points = [(xi, m[key]) for xi, m in zip(x, run.rounds, strict=True) if m.get(key) is not None]
+            if key == "val_loss" and against == "time" and run.summary.get("initial_val_loss") is not None:
+                points.insert(0, (0.0, run.summary["initial_val_loss"]))  # before round 0
             if points:
                 name = run.name if run.method in run.name else f"{run.name} ({run.method})"
                 ax.plot(*zip(*points, strict=True), style, color=color, linewidth=2,

@@ -5,6 +5,7 @@ valid."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +21,9 @@ COMPOSE = ROOT / "docker-compose.yml"
 GPU = ROOT / "docker-compose.gpu.yml"
 CLUSTER = ROOT / "docker" / "cluster.toml"
 WORKER_SERVICES = ("worker", "worker-b")
+MONITORING_SERVICES = ("prometheus", "grafana")
+DEPLOY = ROOT / "deploy"
+WORKER_METRICS_FLAGS = ["--metrics-port", "9401", "--metrics-host", "0.0.0.0"]
 
 
 def _load(path: Path) -> dict:
@@ -33,7 +37,7 @@ def compose() -> dict:
 
 def test_file_format_both_compose_versions_read(compose) -> None:
     assert compose["version"] == "2.4"
-    assert set(compose["services"]) == {"coordinator", *WORKER_SERVICES}
+    assert set(compose["services"]) == {"coordinator", *WORKER_SERVICES, *MONITORING_SERVICES}
     assert set(compose["networks"]) == {"region-a", "region-b"}
 
 
@@ -77,7 +81,7 @@ def test_gpu_override_reserves_nvidia_gpus_for_workers_only() -> None:
         args = svc["build"]["args"]
         assert args["USE_WHEELHOUSE"] == "0"  # the wheelhouse holds the CPU wheel
         assert "download.pytorch.org/whl/cu" in args["TORCH_INDEX_URL"]
-        assert svc["command"] == ["worker", "--device", "cuda"]
+        assert svc["command"] == ["worker", "--device", "cuda", *WORKER_METRICS_FLAGS]
         assert svc["image"] != _load(COMPOSE)["x-image"]["image"]  # CPU image stays as is
 
 
@@ -109,3 +113,42 @@ def test_docker_compose_v2_accepts(files) -> None:
         pytest.skip("the docker compose v2 plugin is not installed")
     result = _config([docker, "compose"], files)
     assert result.returncode == 0, result.stderr
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_monitoring_profile_scrapes_what_the_cluster_serves(compose) -> None:
+    services = compose["services"]
+    for name in MONITORING_SERVICES:
+        assert services[name]["profiles"] == ["monitoring"], f"{name} would start without the profile"
+        assert all(p.startswith("127.0.0.1:") for p in services[name]["ports"]), "published beyond loopback"
+    for name in ("coordinator", *WORKER_SERVICES):
+        assert "profiles" not in services[name]
+    prom = _load(DEPLOY / "prometheus" / "prometheus.yml")
+    jobs = {job["job_name"]: job for job in prom["scrape_configs"]}
+    coordinator = services["coordinator"]["command"]
+    assert jobs["geoloco-coordinator"]["static_configs"][0]["targets"] == [
+        f"coordinator:{_flag(coordinator, '--metrics-port')}"]
+    dns = jobs["geoloco-worker"]["dns_sd_configs"][0]
+    assert set(dns["names"]) == set(WORKER_SERVICES)
+    for name in WORKER_SERVICES:
+        assert services[name]["command"][1:] == WORKER_METRICS_FLAGS
+        assert int(_flag(services[name]["command"], "--metrics-port")) == dns["port"]
+    assert set(services["prometheus"]["networks"]) >= {"region-a", "region-b"}
+
+
+def test_grafana_provisioning_points_at_files_that_exist(compose) -> None:
+    mounts = {}
+    for volume in compose["services"]["grafana"]["volumes"] + compose["services"]["prometheus"]["volumes"]:
+        host, container = volume.split(":")[:2]
+        assert (ROOT / host).exists(), host
+        mounts[container] = ROOT / host
+    provider = _load(mounts["/etc/grafana/provisioning"] / "dashboards" / "geoloco.yml")["providers"][0]
+    assert mounts[provider["options"]["path"]] == DEPLOY / "grafana" / "dashboards"
+    source = _load(mounts["/etc/grafana/provisioning"] / "datasources" / "prometheus.yml")["datasources"][0]
+    assert source["url"] == "http://prometheus:9090"
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "geoloco.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {source["uid"]}
