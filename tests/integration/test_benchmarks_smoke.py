@@ -1,4 +1,4 @@
-"""The training-service benchmarks (wan, parity) run end to end in their ``--quick`` form and end with one JSON
+"""The training-service benchmarks (wan, parity, metrics_cost) run end to end in their ``--quick`` form and end with one JSON
 line holding the figures they promise. Plumbing only: the numbers of a quick run are not
 measurements (docs/benchmarks.md has those)."""
 
@@ -19,6 +19,7 @@ KEYS = {
     "wan": {"sparse_round_s", "dense_round_s", "sparse_compute_s", "sparse_limit_s", "speedup",
             "upload_ratio"},
     "parity": {"sparseloco_loss", "diloco_loss", "adamw_loss", "ratio"},
+    "metrics_cost": {"round_s_off", "round_s_on", "ratio_on_off", "scrape_ms", "record_round_ms"},
 }
 
 
