@@ -173,11 +173,7 @@ def plot_bytes(plt: Any, run: Run, path: Path) -> Path:
            label="upload per worker")
     ax.plot(rounds, [m.get("download_bytes_per_worker") or 0 for m in run.rounds], "o-", color=RUN_COLORS[1],
             label="download per worker")
-    ax.set_xlabel("round")
-    ax.set_ylabel("bytes")
-    ax.set_title(f"{run.name}: bytes per round")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _label(ax, "round", "bytes", f"{run.name}: bytes per round")
     return _save(plt, fig, path)
 
 
@@ -196,12 +192,16 @@ def plot_round_time(plt: Any, run: Run, path: Path) -> Path:
             ax.set_ylim(0, 1.3 * longest)
             ax.text(0.01, 0.95, f"deadline {run.deadline_s:g} s (off the scale)",
                     transform=ax.transAxes, fontsize=8, va="top")
-    ax.set_xlabel("round")
-    ax.set_ylabel("seconds")
-    ax.set_title(f"{run.name}: round time against its limit")
+    _label(ax, "round", "seconds", f"{run.name}: round time against its limit")
+    return _save(plt, fig, path)
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
 
 
 def _save(plt: Any, fig: Any, path: Path) -> Path:
