@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from geoloco.config import RunConfig
 from geoloco.coordinator.metrics import RoundMetrics
+from geoloco.coordinator.rounds import CLOSE_REASONS
 from geoloco.coordinator.state import CoordinatorState
 
 FRAME_BYTES_BUCKETS = tuple(float(4**k) for k in range(5, 16))  # 1 kB .. 1 GB
@@ -60,6 +61,8 @@ class CoordinatorMetrics:
                         self.send, self.wait):
             for worker in range(cfg.workers):  # every worker's series from the first scrape
                 counter.labels(str(worker))
+        for reason in CLOSE_REASONS:  # a rate over the reasons has data from the first close
+            self.closes.labels(reason)
 
     def write_round(self, m: RoundMetrics) -> None:
         self.rounds.inc()

@@ -42,7 +42,10 @@ class Decision:
 
     coefficients: dict[int, float]
     covered: int
-    reason: str  # "all arrived" | "decodable" | "deadline" | ...
+    reason: str  # one of CLOSE_REASONS
+
+
+CLOSE_REASONS = ("all arrived", "decodable", "deadline")
 
 
 class ClosePolicy(Protocol):
