@@ -319,6 +319,7 @@ class Frame:
         self._packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.dense: list[torch.Tensor] | None = dense
         self.params: dict = params or {}
+        self._magnitudes: tuple[float, float] | None = None
 
     @property
     def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -358,6 +359,33 @@ class Frame:
         if self.kind == "dense":
             return self.layout.numel
         return int(self.body.kept_off[-1]) if self.body is not None else sum(len(i) for i in self.indices)
+
+    def magnitudes(self) -> tuple[float, float]:
+        """(L2 norm, largest absolute value) of the frame's values, summed in float64; a
+        sparse frame's values are decoded into buffers that are not kept. Cached."""
+        if self._magnitudes is None:
+            if self.kind == "dense":
+                squares = sum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in self.dense)
+                largest = max((float(d.abs().max()) for d in self.dense if d.numel()), default=0.0)
+            else:
+                vals = self._values_array()
+                squares = float(np.square(vals, dtype=np.float64).sum())
+                largest = float(np.abs(vals).max()) if len(vals) else 0.0
+            self._magnitudes = (squares ** 0.5, largest)
+        return self._magnitudes
+
+    def _values_array(self) -> np.ndarray:
+        if self._packed is not None:
+            return self._packed[1]
+        if self.body is None:
+            return torch.cat([v.reshape(-1) for v in self.values]).numpy() if self.values else _EMPTY_F32
+        b = self.body
+        flat = np.empty(b.kept_off[-1], dtype=b.index_dtype)
+        vals = np.empty(b.kept_off[-1], dtype=np.float32)
+        problem = b.run(decode_kernel.MATERIALIZE, flat, vals)
+        if problem is not None:  # validated by decode_frame: cannot happen
+            raise AssertionError(f"decoding a validated frame failed: {problem}")
+        return vals
 
     def to_dense(self, device=None) -> list[torch.Tensor]:
         out = []

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from geoloco import transport
 from geoloco.compression import Layout, on_huge_pages
-from geoloco.config import RunConfig
+from geoloco.config import RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
+from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import RunTotals, write_text_atomic
 from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
@@ -31,6 +32,7 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest
 from geoloco.tasks import build_task
+from geoloco.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ PORT_FILE = "coordinator.port"
 CONFIG_FILE = "config.json"
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
+SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -47,6 +50,8 @@ class Coordinator:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
         check_aggregation(cfg)
+        token = require_token(cfg)
+        self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -54,7 +59,7 @@ class Coordinator:
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
-        registry = WorkerRegistry(cfg.workers, cfg.coordinator.token)
+        registry = WorkerRegistry(cfg.workers, token)
         start_round, totals = 0, RunTotals()
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
@@ -75,7 +80,10 @@ class Coordinator:
         self._server = self._build_server()
         listen = self.cfg.coordinator.listen
         try:
-            self.port = self._server.add_insecure_port(listen)
+            if self.credentials is None:
+                self.port = self._server.add_insecure_port(listen)
+            else:
+                self.port = self._server.add_secure_port(listen, self.credentials)
         except RuntimeError as exc:
             raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
                           "coordinator running there? pick a free port, or port 0") from None
@@ -91,7 +99,8 @@ class Coordinator:
         return self.port
 
     def _build_server(self) -> grpc.Server:
-        threads = 3 * self.cfg.workers + 8  # Push + Rounds + FetchState per worker, health
+        # every worker's slots of every RPC, so that no caller can starve the health service
+        threads = self.cfg.workers * len(RPCS) * STREAMS_PER_WORKER + SPARE_THREADS
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
             options=transport.SERVER_OPTIONS,

@@ -15,6 +15,7 @@ from torch import nn
 from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint
+from geoloco.coordinator.bounds import FrameBounds
 from geoloco.coordinator.metrics import MetricsWriter, RoundTiming, round_metrics
 from geoloco.coordinator.outer import OuterOptimizer, Update
 from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
@@ -40,6 +41,7 @@ class RoundLoop:
         self.model = model  # its parameters are state.params
         self.run_dir = Path(run_dir)
         self.metrics = MetricsWriter(self.run_dir)
+        self.bounds = FrameBounds(cfg.guard, state.params)
         self.failed = False
         self.done = threading.Event()
         self._started_at = time.monotonic()
@@ -67,14 +69,19 @@ class RoundLoop:
         rs = self.state.wait_for_close(self.policy)
         if rs is None:
             return  # stopping
+        verdict = self.bounds.bound_round(rs, self.policy)
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
+        if not self.bounds.safe(update):
+            log.error("round %d: the update of workers %s could make parameters non-finite; "
+                      "committing no change", rs.round, [f.sender for f in update.frames])
+            update = Update([], "sum", 1.0)
         closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic())
             self.state.apply(update, closed)
         timing.applied_at = time.monotonic()
         val = self.task.val_loss(self.model) if self.val_due(rs.round + 1) else None
-        self.record(rs, closed, timing, val)
+        self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
 
     def measure_initial_loss(self) -> None:
@@ -96,9 +103,10 @@ class RoundLoop:
         return bool(every) and next_round % every == 0
 
     def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,
-               val: float | None) -> None:
+               val: float | None, median_norm: float | None = None) -> None:
         """The round's line in metrics.jsonl, the run totals, one log line."""
         m = round_metrics(rs, closed, timing, val)
+        m.median_frame_norm = median_norm
         self.state.totals.add(m, max(self.state.live_count(), 1))
         self.metrics.write_round(m)
         up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"

@@ -42,6 +42,11 @@ class RoundMetrics:
     worker_apply_seconds_max: float | None = None  # slowest apply of the previous result
     close_seconds: float | None = None  # last arrival -> broadcast (the coordinator's share)
     coordinator_apply_seconds: float | None = None  # apply + digest, after the broadcast
+    # Frames refused (bad header, bad frame, above the bounds; not late) and frames scaled
+    # down by the bounds, per worker (geoloco.coordinator.bounds); the bounds' reference.
+    rejected_by_worker: dict[int, int] = field(default_factory=dict)
+    clipped_by_worker: dict[int, int] = field(default_factory=dict)
+    median_frame_norm: float | None = None
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -52,7 +57,8 @@ class RoundMetrics:
         data = asdict(self)
         data["upload_bytes"] = {str(k): v for k, v in self.upload_bytes.items()}
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
-        data["partitions_trained"] = {str(k): v for k, v in self.partitions_trained.items()}
+        for name in ("partitions_trained", "rejected_by_worker", "clipped_by_worker"):
+            data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
         return json.dumps(_finite(data), sort_keys=True)
@@ -93,6 +99,7 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         close_seconds=(timing.published_at - max(a.received_at for a in chosen)
                        if chosen else None),
         coordinator_apply_seconds=timing.applied_at - timing.published_at,
+        rejected_by_worker=dict(rs.rejected_by), clipped_by_worker=dict(rs.clipped_by),
     )
 
 
@@ -117,6 +124,8 @@ class RunTotals:
     partitions_trained: int = 0  # over the arrived frames: sum of partitions each trained
     partition_reports: int = 0  # ... and how many frames reported them
     wall_seconds: float = 0.0
+    rejected_by_worker: dict[int, int] = field(default_factory=dict)
+    clipped_by_worker: dict[int, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add(self, m: RoundMetrics, n_receivers: int) -> None:
@@ -131,6 +140,10 @@ class RunTotals:
         self.late_frames += m.late_frames
         self.partitions_trained += sum(m.partitions_trained.values())
         self.partition_reports += len(m.partitions_trained)
+        for mine, theirs in ((self.rejected_by_worker, m.rejected_by_worker),
+                             (self.clipped_by_worker, m.clipped_by_worker)):
+            for worker, count in theirs.items():
+                mine[worker] = mine.get(worker, 0) + count
 
     def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
         up = self.upload_bytes / self.uploads if self.uploads else None
@@ -151,6 +164,8 @@ class RunTotals:
             "partitions_per_worker_round": (self.partitions_trained / self.partition_reports
                                             if self.partition_reports else None),
             "wall_seconds": self.wall_seconds,
+            "rejected_by_worker": {str(k): v for k, v in sorted(self.rejected_by_worker.items())},
+            "clipped_by_worker": {str(k): v for k, v in sorted(self.clipped_by_worker.items())},
             **self.extra,
         })
 

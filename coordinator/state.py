@@ -68,16 +68,16 @@ class CoordinatorState:
     # ----- what the servicer calls ---------------------------------------------------
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str) -> tuple[WorkerRecord, int]:
+             reclaim_session: str, cert: str | None = None) -> tuple[WorkerRecord, int]:
         """Register (or reclaim) a worker; returns its record and the current round."""
         with self.lock:
-            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session)
+            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert)
             self.lock.notify_all()
             return record, self.rs.round
 
-    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
+    def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         with self.lock:
-            return self.registry.authenticate(worker_id, session)
+            return self.registry.authenticate(worker_id, session, cert)
 
     def snapshot(self, record: WorkerRecord) -> StateSnapshot:
         """The parameters at the current round's start (the worker counts as ready)."""
@@ -100,7 +100,7 @@ class CoordinatorState:
             try:
                 self.rs.check_push(worker, round)
             except RoundError:
-                self.rs.count_refused(round)
+                self.rs.count_refused(round, worker)
                 raise
 
     def accept(self, arrival: Arrival) -> None:
@@ -109,14 +109,14 @@ class CoordinatorState:
             try:
                 self.rs.accept(arrival)
             except RoundError:
-                self.rs.count_refused(arrival.frame.round)
+                self.rs.count_refused(arrival.frame.round, arrival.worker)
                 raise
             self.lock.notify_all()
 
-    def count_rejected(self) -> None:
+    def count_rejected(self, worker: int | None = None) -> None:
         """Count a push refused before its round was looked at (bad header or frame)."""
         with self.lock:
-            self.rs.count_refused()
+            self.rs.count_refused(worker=worker)
 
     @contextmanager
     def follow(self, worker: int, from_round: int) -> Iterator[tuple[Subscription, list[ClosedRound]]]:

@@ -21,7 +21,13 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from geoloco import __version__  # noqa: E402
-from geoloco.config import ConfigError, RunConfig, load_config  # noqa: E402
+from geoloco.config import (  # noqa: E402
+    ConfigError,
+    RunConfig,
+    load_config,
+    require_token,
+    resolve_token,
+)
 
 EXIT_CONFIG_ERROR = 2
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -37,14 +43,20 @@ LOCAL_FLAGS = {
 # `geoloco local` without --config: sized so 4 workers on 2 CPU cores finish in a few minutes
 # (gpt-tiny, 20 rounds of H = 10 inner steps on 16 x 64-byte sequences).
 LOCAL_DEMO_DEFAULTS = {"rounds": "20", "inner.steps": "10", "inner.warmup_steps": "10"}
+TLS_FLAGS = {
+    "token_file": "coordinator.token_file", "tls_ca": "tls.ca", "tls_cert": "tls.cert",
+    "tls_key": "tls.key", "insecure": "tls.insecure",
+}
 COORDINATOR_FLAGS = {
     "listen": "coordinator.listen", "workers": "workers", "rounds": "rounds",
-    "run_dir": "run_dir", "token": "coordinator.token", "deadline": "coordinator.deadline_s",
+    "run_dir": "run_dir", "deadline": "coordinator.deadline_s", **TLS_FLAGS,
 }
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
-    "connect_timeout": "worker.connect_timeout_s", "token": "coordinator.token",
+    "connect_timeout": "worker.connect_timeout_s", "tls_server_name": "tls.server_name", **TLS_FLAGS,
 }
+# fields that hold secrets: a command line is visible to every user of the machine (ps)
+COMMAND_LINE_SECRETS = ("coordinator.token",)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local(sub)
     _add_coordinator(sub)
     _add_worker(sub)
+    _add_certs(sub)
     return parser
 
 
@@ -76,6 +89,19 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override one config field, e.g. --set inner.steps=30 (repeatable)")
     p.add_argument("--log-file", metavar="FILE", help="also write the log to FILE")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _security(p: argparse.ArgumentParser, side: str) -> None:
+    """The token and TLS flags (docs/security.md); the token itself never is a flag."""
+    p.add_argument("--token-file", metavar="FILE",
+                   help="file holding the run's token (default: $GEOLOCO_TOKEN, then the config file)")
+    p.add_argument("--tls-ca", metavar="PEM", help="the run's CA certificate: " + (
+        "require worker certificates signed by it (mutual TLS)" if side == "coordinator"
+        else "check the coordinator's certificate with it (default: the system's roots)"))
+    p.add_argument("--tls-cert", metavar="PEM", help=f"this {side}'s certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="its private key")
+    p.add_argument("--insecure", action="store_const", const="true", default=None,
+                   help="allow plaintext to a non-loopback address (logged loudly at every start)")
 
 
 def _add_local(sub: Any) -> None:
@@ -112,9 +138,9 @@ def _add_coordinator(sub: Any) -> None:
     p.add_argument("--workers", type=int, metavar="N", help="workers expected before round 0 opens")
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go")
-    p.add_argument("--token", help="shared secret the workers present")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    _security(p, "coordinator")
     p.set_defaults(run=_run_coordinator)
 
 
@@ -124,7 +150,9 @@ def _add_worker(sub: Any) -> None:
                        "and apply round results until the run finishes.")
     _common(p)
     p.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address")
-    p.add_argument("--token", help="the run's shared secret (default: coordinator.token)")
+    _security(p, "worker")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the coordinator's certificate carries (default: the host dialled)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="training device")
     p.add_argument("--connect-timeout", type=float, metavar="SECONDS",
                    help="give up (exit 1) when the coordinator stays unreachable this long")
@@ -139,6 +167,22 @@ def _add_worker(sub: Any) -> None:
     p.set_defaults(run=_run_worker)
 
 
+def _add_certs(sub: Any) -> None:
+    p = sub.add_parser("certs", help="make a run's CA, coordinator and worker certificates and token",
+                       description="Write into DIR what a run needs for TLS: the run's own CA, a "
+                       "coordinator certificate for the names and addresses given with --san, one "
+                       "client certificate per worker (worker-<i>.pem/.key) and a random token file. "
+                       "What DIR already holds is kept (the CA signs new worker certificates); keys "
+                       "and the token are written readable by their owner only.")
+    p.add_argument("dir", metavar="DIR", help="where the files go (created mode 0700)")
+    p.add_argument("--san", action="append", default=[], metavar="NAME_OR_IP",
+                   help="a DNS name or IP address workers dial the coordinator by (repeatable; "
+                   "remakes the coordinator certificate; default localhost and 127.0.0.1)")
+    p.add_argument("--workers", type=int, default=0, metavar="N", help="worker certificates 0..N-1")
+    p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p.set_defaults(run=_run_certs)
+
+
 def resolve_config(args: argparse.Namespace, flags: dict[str, str],
                    defaults: dict[str, str] | None = None) -> RunConfig:
     """``defaults`` (only without --config) or the config file, then ``--set`` overrides,
@@ -148,12 +192,17 @@ def resolve_config(args: argparse.Namespace, flags: dict[str, str],
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. inner.steps=30")
+        if key.strip() in COMMAND_LINE_SECRETS:
+            raise ConfigError(f"--set {key.strip()}: a secret on the command line is visible to every "
+                              "user of the machine; use --token-file FILE or GEOLOCO_TOKEN")
         overrides[key.strip()] = value.strip()
     for attr, key in flags.items():
         value = getattr(args, attr, None)
         if value is not None:
             overrides[key] = str(value)
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    resolve_token(cfg, os.environ)
+    return cfg
 
 
 def configure_logging(log_file: str | None, verbose: bool = False) -> None:
@@ -183,17 +232,29 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, WORKER_FLAGS)
-    configure_logging(args.log_file, args.verbose)
     if args.wan_emulate:
         _check_profile(args.wan_emulate)
+    token = require_token(cfg)
+    configure_logging(args.log_file, args.verbose)
     from geoloco.worker.app import run_worker
 
     return run_worker(
-        cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
+        cfg.worker.coordinator, token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
-        identity_file=args.identity_file,
+        identity_file=args.identity_file, tls=cfg.tls,
     )
+
+
+def _run_certs(args: argparse.Namespace) -> int:
+    if not 0 <= args.workers <= 1024 or not 1 <= args.days <= 36500:
+        raise ConfigError(f"--workers {args.workers} / --days {args.days}: expected 0..1024 workers "
+                          "and 1..36500 days")
+    from geoloco.certs import make_run_credentials
+
+    for path in make_run_credentials(Path(args.dir), args.san, args.workers, args.days):
+        print(f"wrote {path}")
+    return 0
 
 
 def _check_profile(text: str) -> None:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import torch
 
+from geoloco.config import TlsConfig
 from geoloco.profiles import LinkProfile
-from geoloco.transport import CoordinatorUnreachable, JoinRefused, parse_address
+from geoloco.tls import channel_security
+from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.loop import Worker
 from geoloco.worker.session import Session, read_identity
 
@@ -34,18 +36,23 @@ def run_worker(
     threads: int = 1,
     wait_for: str | Path | None = None,
     identity_file: str | Path | None = None,
+    tls: TlsConfig | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
     ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
-    ``identity_file`` makes the first Join reclaim the id and session written there."""
+    ``identity_file`` makes the first Join reclaim the id and session written there;
+    ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
+    allowed there)."""
     torch.set_num_threads(threads)
+    security = channel_security(tls or TlsConfig(), coordinator)
     if wait_for is not None:
         _wait_for_file(Path(wait_for))
     try:
         identity = read_identity(Path(identity_file)) if identity_file else None
         with _link(coordinator, wan_emulate) as address:
-            session = Session(address, token, connect_timeout_s, identity)
+            session = Session(address, token, connect_timeout_s, identity,
+                              _through_relay(security, coordinator, address))
             worker = Worker(session, device, Path(report_dir) if report_dir else None)
             return worker.run()
     except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError) as exc:
@@ -68,6 +75,14 @@ def _link(address: str, profile: str | None) -> Iterator[str]:
     with RelayThread(target=parse_address(address), profile=link, seed=0) as relay:
         log.info("emulating link %s to %s through 127.0.0.1:%d", link, address, relay.port)
         yield f"127.0.0.1:{relay.port}"
+
+
+def _through_relay(security: ChannelSecurity | None, coordinator: str,
+                   address: str) -> ChannelSecurity | None:
+    """Through a local relay the coordinator's certificate must still carry its own name."""
+    if security is None or security.server_name or address == coordinator:
+        return security
+    return ChannelSecurity(security.credentials, parse_address(coordinator)[0])
 
 
 def _wait_for_file(path: Path, poll_s: float = 0.05) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.transport import ChannelSecurity
 from geoloco.worker.session import Push, Session
 from geoloco.worker.stream import RoundResult
 
@@ -45,8 +46,9 @@ class FaultySession(Session):
     None); ``fired`` lists the rounds it fired in."""
 
     def __init__(self, address: str, token: str, connect_timeout_s: float = 60.0, *, fault: Fault,
-                 rounds: Iterable[int] | None = None, identity: tuple[int, str] | None = None) -> None:
-        super().__init__(address, token, connect_timeout_s, identity)
+                 rounds: Iterable[int] | None = None, identity: tuple[int, str] | None = None,
+                 security: ChannelSecurity | None = None) -> None:
+        super().__init__(address, token, connect_timeout_s, identity, security)
         self.fault = fault
         self.rounds = None if rounds is None else set(rounds)
         self.fired: list[int] = []
