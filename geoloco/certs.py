@@ -82,13 +82,15 @@ def make_ca(name: str = "geoloco run CA", days: int = DEFAULT_DAYS) -> Issued:
 
 def issue(ca: Issued, name: str, sans: list[str], server: bool, days: int = DEFAULT_DAYS) -> Issued:
     """A certificate signed by ``ca`` for ``name`` with the subject alternative names
-    ``sans`` (IP addresses or DNS names); ``server``: for TLS servers, else for clients."""
+    ``sans`` (IP addresses or DNS names); ``server``: for the TLS server (which may also be
+    a client, for its own health checks under mutual TLS), else for clients only."""
     key = ec.generate_private_key(ec.SECP256R1())
-    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
+    usage.append(ExtendedKeyUsageOID.CLIENT_AUTH)
     cert = (_builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]), ca.cert.subject,
                      key.public_key(), days)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
             .add_extension(x509.SubjectAlternativeName([_general_name(s) for s in sans]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
                            critical=False)

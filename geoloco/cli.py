@@ -105,7 +105,7 @@ def _security(p: argparse.ArgumentParser, side: str) -> None:
 
 
 def _add_local(sub: Any) -> None:
-    p = sub.add_parser("local", help="coordinator + N workers on this machine behind emulated WAN links",
+    p = sub.add_parser("local", allow_abbrev=False, help="coordinator + N workers on this machine behind emulated WAN links",
                        description="Start the coordinator and N worker processes on loopback, each "
                        "behind a link emulator, show progress and end with a summary table. Without "
                        "--config the run is demo-sized: "
@@ -131,7 +131,7 @@ def _add_local(sub: Any) -> None:
 
 
 def _add_coordinator(sub: Any) -> None:
-    p = sub.add_parser("coordinator", help="run the coordinator (gRPC server)",
+    p = sub.add_parser("coordinator", allow_abbrev=False, help="run the coordinator (gRPC server)",
                        description="Serve the round protocol to the workers and write the run directory.")
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (port 0: pick a free one)")
@@ -145,7 +145,7 @@ def _add_coordinator(sub: Any) -> None:
 
 
 def _add_worker(sub: Any) -> None:
-    p = sub.add_parser("worker", help="run one worker against a coordinator",
+    p = sub.add_parser("worker", allow_abbrev=False, help="run one worker against a coordinator",
                        description="Join a coordinator, train on the assigned partitions, push frames "
                        "and apply round results until the run finishes.")
     _common(p)
@@ -168,7 +168,7 @@ def _add_worker(sub: Any) -> None:
 
 
 def _add_certs(sub: Any) -> None:
-    p = sub.add_parser("certs", help="make a run's CA, coordinator and worker certificates and token",
+    p = sub.add_parser("certs", allow_abbrev=False, help="make a run's CA, coordinator and worker certificates and token",
                        description="Write into DIR what a run needs for TLS: the run's own CA, a "
                        "coordinator certificate for the names and addresses given with --san, one "
                        "client certificate per worker (worker-<i>.pem/.key) and a random token file. "

@@ -104,7 +104,7 @@ def join_and_shape(args: argparse.Namespace) -> Identity:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m geoloco.worker.container",
+    p = argparse.ArgumentParser(prog="python -m geoloco.worker.container", allow_abbrev=False,
                                 description="Join the coordinator, shape IFACE to the assigned "
                                 "WAN profile, write the identity file.")
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
