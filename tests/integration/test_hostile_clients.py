@@ -29,12 +29,12 @@ from geoloco.transport import open_channel
 from geoloco.worker.container import join_coordinator
 
 HERE = Path(__file__).parent
-ROUNDS = 16
+ROUNDS = 60  # about 0.5 s each here: the run outlasts the attack
 STREAMS, JOINS, ATTACK_S = 200, 1000, 10.0
 HEALTH_EVERY_S = 0.02
 HEALTH_P99_S = 0.1
 RSS_GROWTH_MB = 200  # the attack may cost the coordinator this much memory at most
-RUN = {**SMALL, "inner.steps": "6", "coordinator.checkpoint_every": "4", "coordinator.deadline_s": "120"}
+RUN = {**SMALL, "inner.steps": "6", "coordinator.checkpoint_every": "20", "coordinator.deadline_s": "120"}
 
 
 @dataclass
@@ -120,6 +120,7 @@ def scenario(tmp: Path) -> Observed:
              "--streams", str(STREAMS), "--joins", str(JOINS), "--seconds", str(ATTACK_S)],
             stdout=subprocess.PIPE, text=True)
         while attacker.poll() is None:
+            assert coordinator.poll() is None, "the run ended before the attack"
             seen.rss_peak_mb = max(seen.rss_peak_mb, rss_mb(coordinator.pid))
             seen.ps.append(subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
             time.sleep(0.5)
