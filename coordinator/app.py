@@ -77,17 +77,9 @@ class Coordinator:
         """Bind, serve and start the round loop; returns the bound port."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
-        self._server = self._build_server()
+        servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
+        self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen
-        try:
-            if self.credentials is None:
-                self.port = self._server.add_insecure_port(listen)
-            else:
-                self.port = self._server.add_secure_port(listen, self.credentials)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
-                          "coordinator running there? pick a free port, or port 0") from None
-        self._server.start()
         write_text_atomic(self.run_dir / PORT_FILE, f"{self.port}\n")
         log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
                  "(%d parameters)", listen, self.port, self.cfg.workers, self.cfg.rounds,
@@ -98,19 +90,6 @@ class Coordinator:
         self._thread.start()
         return self.port
 
-    def _build_server(self) -> grpc.Server:
-        # every worker's slots of every RPC, so that no caller can starve the health service
-        threads = self.cfg.workers * len(RPCS) * STREAMS_PER_WORKER + SPARE_THREADS
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            options=transport.SERVER_OPTIONS,
-        )
-        servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
-        geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return server
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the run is over (all rounds done, or stopped)."""
@@ -152,6 +131,31 @@ class Coordinator:
     @property
     def totals(self) -> RunTotals:
         return self.state.totals
+
+
+def serve(cfg: RunConfig, servicer: CoordinatorServicer, health_servicer: health.HealthServicer,
+          credentials: grpc.ServerCredentials | None) -> tuple[grpc.Server, int]:
+    """The started gRPC server of ``servicer`` and the health service on
+    ``coordinator.listen`` (TLS with ``credentials``), and its port. The pool has a thread
+    for every worker's slots of every RPC and spares, so no caller starves health checks."""
+    threads = cfg.workers * len(RPCS) * STREAMS_PER_WORKER + SPARE_THREADS
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+                         options=transport.SERVER_OPTIONS)
+    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    listen = cfg.coordinator.listen
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
+                      "coordinator running there? pick a free port, or port 0") from None
+    server.start()
+    return server, port
 
 
 def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:

@@ -192,6 +192,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             return str(exc)
         try:
             data = self._read_frame(h, it, timeout)
+            received = time.monotonic()  # the bytes are in; validating them is the coordinator's time
             frame = self._decode(h, data)
             norm, max_abs = frame.magnitudes()
         except FrameError as exc:
@@ -200,7 +201,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         try:
             self.state.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
                                       tuple(h.partitions), h.encode_seconds, h.apply_seconds,
-                                      norm=norm, max_abs=max_abs))
+                                      received_at=received, norm=norm, max_abs=max_abs))
         except RoundError as exc:
             return str(exc)
         return None
