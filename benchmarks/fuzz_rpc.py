@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import random
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +37,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from benchmarks.fuzz_frames import mutate
+from benchmarks.fuzz_frames import mutate, stamped
 from geoloco import transport
 from geoloco.compression import Compressor, FrameError, Layout, decode_frame
 from geoloco.config import load_config
@@ -56,7 +54,6 @@ RUN = {"task.model": "gpt-tiny", "task.seq_len": "16", "task.batch_size": "2", "
        "task.corpus_bytes": "100000", "coordinator.deadline_s": "1000000", "coordinator.val_every": "0",
        "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "1", "rounds": "10000000"}
 EXPECTED_CODES = {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
-_ROUND_AT, _SENDER_AT = 24, 32  # frame header offsets (docs/codec.md)
 
 
 @dataclass
@@ -67,15 +64,6 @@ class Stream:
     chunks: list[pb.PushChunk]
     valid: bool
     kind: str
-
-
-def stamped(base: bytes, round_: int, sender: int) -> bytes:
-    """``base`` with its round and sender rewritten and the checksum fixed."""
-    d = bytearray(base)
-    struct.pack_into("<Q", d, _ROUND_AT, round_)
-    struct.pack_into("<I", d, _SENDER_AT, sender)
-    struct.pack_into("<I", d, len(d) - 4, zlib.crc32(bytes(d[:-4])))
-    return bytes(d)
 
 
 def frame_valid(data: bytes, layout: Layout, round_: int, worker: int) -> bool:

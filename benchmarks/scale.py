@@ -21,19 +21,18 @@ import json
 import os
 import resource
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.fuzz_frames import stamped
 from geoloco import transport
 from geoloco.compression import (
     Compressor,
@@ -53,7 +52,6 @@ DEFAULT_NS = (4, 16, 64)
 QUICK_NS = (2, 4)
 RSS_SLACK_MB = 500
 RSS_FILE = "peak_rss_mb"  # the coordinator process writes its peak RSS here
-_ROUND_AT, _SENDER_AT = 24, 32  # frame header offsets (docs/codec.md)
 
 
 def gpt2_layout(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> Layout:
@@ -120,14 +118,6 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     write_text_atomic(run_dir / RSS_FILE, f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}\n")
     server.stop(1.0).wait()
     return 0
-
-
-def stamped(base: bytes, round_: int, sender: int) -> bytes:
-    d = bytearray(base)
-    struct.pack_into("<Q", d, _ROUND_AT, round_)
-    struct.pack_into("<I", d, _SENDER_AT, sender)
-    struct.pack_into("<I", d, len(d) - 4, zlib.crc32(bytes(d[:-4])))
-    return bytes(d)
 
 
 def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:

@@ -40,7 +40,7 @@ class RoundMetrics:
     encode_seconds: float | None = None  # mean compression time of the arrived frames
     encode_seconds_max: float | None = None
     worker_apply_seconds_max: float | None = None  # slowest apply of the previous result
-    close_seconds: float | None = None  # last arrival -> broadcast (the coordinator's share)
+    close_seconds: float | None = None  # last frame's bytes in -> broadcast (the coordinator's share)
     coordinator_apply_seconds: float | None = None  # apply + digest, after the broadcast
     # Frames refused (bad header, bad frame, above the bounds; not late) and frames scaled
     # down by the bounds, per worker (geoloco.coordinator.bounds); the bounds' reference.
