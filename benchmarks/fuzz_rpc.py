@@ -239,36 +239,38 @@ def run(count: int, seed: int) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fuzz-rpc-") as tmp:
         fuzzer = Fuzzer(Path(tmp), seed)
-        frames = [stamped(b, 0, 0) for b in fuzzer.bases]
-        sent, rounds = 0, 0
-        with ThreadPoolExecutor(THREADS) as pool:
-            while sent < count:
-                round_, spent = fuzzer.round, set()
-                batch = []
-                while sent < count and len(spent) < IDENTITIES // 2 and len(batch) < 4 * IDENTITIES:
-                    who = rng.choice([s for s in fuzzer.sessions if s.worker_id not in spent])
-                    stream = make_stream(rng, rng.choice(fuzzer.bases), frames, fuzzer.layout, round_,
-                                         who.worker_id, who.session)
-                    batch.append((stream, who.worker_id, pool.submit(fuzzer.push, stream)))
-                    sent += 1
-                    if len(batch) % THREADS == 0:  # learn which identities are spent
-                        for _, w, fut in batch[-THREADS:]:
-                            if fut.result()[1]:
-                                spent.add(w)
-                for stream, _, fut in batch:
-                    code, accepted = fut.result()
-                    kinds[stream.kind] += 1
-                    counts[code] += 1
-                    counts["accepted"] += accepted
-                    counts["accepted_valid" if stream.valid else "accepted_invalid"] += accepted
-                    counts["refused_valid"] += stream.valid and not accepted
-                if fuzzer.proc.poll() is not None:
-                    break
-                fuzzer.close_round(round_)
-                rounds += 1
-        alive = fuzzer.proc.poll() is None
-        served = alive and fuzzer.served()
-        fuzzer.stop()
+        try:
+            frames = [stamped(b, 0, 0) for b in fuzzer.bases]
+            sent, rounds = 0, 0
+            with ThreadPoolExecutor(THREADS) as pool:
+                while sent < count:
+                    round_, spent = fuzzer.round, set()
+                    batch = []
+                    while sent < count and len(spent) < IDENTITIES // 2 and len(batch) < 4 * IDENTITIES:
+                        who = rng.choice([s for s in fuzzer.sessions if s.worker_id not in spent])
+                        stream = make_stream(rng, rng.choice(fuzzer.bases), frames, fuzzer.layout, round_,
+                                             who.worker_id, who.session)
+                        batch.append((stream, who.worker_id, pool.submit(fuzzer.push, stream)))
+                        sent += 1
+                        if len(batch) % THREADS == 0:  # learn which identities are spent
+                            for _, w, fut in batch[-THREADS:]:
+                                if fut.result()[1]:
+                                    spent.add(w)
+                    for stream, _, fut in batch:
+                        code, accepted = fut.result()
+                        kinds[stream.kind] += 1
+                        counts[code] += 1
+                        counts["accepted"] += accepted
+                        counts["accepted_valid" if stream.valid else "accepted_invalid"] += accepted
+                        counts["refused_valid"] += stream.valid and not accepted
+                    if fuzzer.proc.poll() is not None:
+                        break
+                    fuzzer.close_round(round_)
+                    rounds += 1
+            alive = fuzzer.proc.poll() is None
+            served = alive and fuzzer.served()
+        finally:
+            fuzzer.stop()
     crashed = int(not alive) + sum(n for code, n in counts.items() if code in ("UNKNOWN", "INTERNAL"))
     return {"streams": sent, "crashed": crashed, "invalid_accepted": counts["accepted_invalid"],
             "valid_accepted": counts["accepted_valid"], "valid_refused": counts["refused_valid"],

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -34,14 +33,8 @@ from torch import nn
 
 from benchmarks.fuzz_frames import stamped
 from geoloco import transport
-from geoloco.compression import (
-    Compressor,
-    Layout,
-    TensorSpec,
-    decode_apply,
-    decode_frame,
-    on_huge_pages,
-)
+from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame
+from geoloco.compression.memory import huge_page_buffer
 from geoloco.config import load_config
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
@@ -103,7 +96,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
 
     cfg = run_config(n, run_dir)
     layout = layout_for(quick)
-    params = on_huge_pages([torch.zeros(s.shape) for s in layout.specs])
+    params = zero_params(layout)
     code = make_code("none", n, 0, 0)
     state = CoordinatorState(layout, params, WorkerRegistry(n, TOKEN), RunTotals(),
                              RoundState(0, cfg.coordinator.deadline_s))
@@ -115,9 +108,18 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     if state.wait_for_joins(n, cfg.coordinator.join_timeout_s):
         while state.open_round() < cfg.rounds:  # the loop's rounds; no worker waits for the end
             loop.run_round()
-    write_text_atomic(run_dir / RSS_FILE, f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}\n")
+    write_text_atomic(run_dir / RSS_FILE, f"{peak_rss_mb()}\n")
     server.stop(1.0).wait()
     return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set since it started (VmHWM: reset at exec, unlike
+    getrusage's maximum, which a forked child inherits from its parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:
@@ -175,9 +177,18 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:
             "peak_rss_mb": rss, "download_bytes_per_worker": lines[-1]["download_bytes_per_worker"]}
 
 
+def zero_params(layout: Layout) -> list[torch.Tensor]:
+    """The layout's parameters, zero, as views of one huge-page buffer (no second copy)."""
+    buf, out, off = huge_page_buffer(layout.numel), [], 0
+    for spec in layout.specs:
+        out.append(buf[off:off + spec.numel].view(spec.shape))
+        off += spec.numel
+    return out
+
+
 def decode_apply_s(layout: Layout, base: bytes) -> float:
     """One frame's decode_apply into the layout's parameters, median of five."""
-    params = on_huge_pages([torch.zeros(s.shape) for s in layout.specs])
+    params = zero_params(layout)
     times = []
     for _ in range(6):
         start = time.perf_counter()

@@ -294,6 +294,7 @@ class SparseBody:
 
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_NORM_PIECE = 1 << 20  # values squared in float64 at a time by Frame.magnitudes
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 
 
@@ -326,14 +327,18 @@ class Frame:
         """(flat indices (int32 where every tensor allows), values, kept offsets per tensor)
         of all tensors end to end, decoded on first use; None for other frames."""
         if self._packed is None and self.body is not None:
-            b = self.body
-            flat = np.empty(b.kept_off[-1], dtype=b.index_dtype)
-            vals = np.empty(b.kept_off[-1], dtype=np.float32)
-            problem = b.run(decode_kernel.MATERIALIZE, flat, vals)
-            if problem is not None:  # validated by decode_frame: cannot happen
-                raise AssertionError(f"decoding a validated frame failed: {problem}")
-            self._packed = (flat, vals, b.kept_off)
+            self._packed = (*self._materialize(), self.body.kept_off)
         return self._packed
+
+    def _materialize(self) -> tuple[np.ndarray, np.ndarray]:
+        """The flat indices and values of a validated sparse body, in new buffers."""
+        b = self.body
+        flat = np.empty(b.kept_off[-1], dtype=b.index_dtype)
+        vals = np.empty(b.kept_off[-1], dtype=np.float32)
+        problem = b.run(decode_kernel.MATERIALIZE, flat, vals)
+        if problem is not None:  # validated by decode_frame: cannot happen
+            raise AssertionError(f"decoding a validated frame failed: {problem}")
+        return flat, vals
 
     def _unpack(self) -> None:
         flat, vals, kept_off = self.packed
@@ -369,8 +374,9 @@ class Frame:
                 largest = max((float(d.abs().max()) for d in self.dense if d.numel()), default=0.0)
             else:
                 vals = self._values_array()
-                squares = float(np.square(vals, dtype=np.float64).sum())
-                largest = float(np.abs(vals).max()) if len(vals) else 0.0
+                squares = sum(float(np.square(vals[i:i + _NORM_PIECE], dtype=np.float64).sum())
+                              for i in range(0, len(vals), _NORM_PIECE))
+                largest = max(float(vals.max()), -float(vals.min())) if len(vals) else 0.0
             self._magnitudes = (squares ** 0.5, largest)
         return self._magnitudes
 
@@ -379,13 +385,7 @@ class Frame:
             return self._packed[1]
         if self.body is None:
             return torch.cat([v.reshape(-1) for v in self.values]).numpy() if self.values else _EMPTY_F32
-        b = self.body
-        flat = np.empty(b.kept_off[-1], dtype=b.index_dtype)
-        vals = np.empty(b.kept_off[-1], dtype=np.float32)
-        problem = b.run(decode_kernel.MATERIALIZE, flat, vals)
-        if problem is not None:  # validated by decode_frame: cannot happen
-            raise AssertionError(f"decoding a validated frame failed: {problem}")
-        return vals
+        return self._materialize()[1]
 
     def to_dense(self, device=None) -> list[torch.Tensor]:
         out = []

@@ -16,7 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import Tensor, nn
 
 from geoloco import transport
-from geoloco.compression import Layout, on_huge_pages
+from geoloco.compression import Layout
+from geoloco.compression.memory import huge_page_buffer
 from geoloco.config import RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
@@ -159,12 +160,18 @@ def serve(cfg: RunConfig, servicer: CoordinatorServicer, health_servicer: health
 
 
 def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
-    """The model's layout and its parameters, moved into one buffer on huge pages (applying
-    sparse rounds touches cache lines at random)."""
+    """The model's layout and its fp32 parameters, moved one by one into one buffer on huge
+    pages (applying sparse rounds touches cache lines at random); each original is freed
+    as soon as it is copied, so the move never holds the model twice."""
     named = list(model.named_parameters())
-    for (_, p), data in zip(named, on_huge_pages([p.data for _, p in named]), strict=True):
-        p.data = data
-    return Layout.from_named_tensors(named), [p.data for _, p in named]
+    layout = Layout.from_named_tensors(named)
+    buffer, offset = huge_page_buffer(layout.numel), 0
+    for _, p in named:
+        view = buffer[offset:offset + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        offset += p.numel()
+    return layout, [p.data for _, p in named]
 
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,

@@ -90,5 +90,6 @@ class FrameBounds:
 
 
 def _max_abs(params: list[Tensor]) -> float:
+    """max|θ| without a temporary copy of any tensor."""
     with torch.no_grad():
-        return max((float(p.abs().max()) for p in params if p.numel()), default=0.0)
+        return max((max(float(p.max()), -float(p.min())) for p in params if p.numel()), default=0.0)

@@ -158,7 +158,7 @@ def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:
         frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
                 for f in update.frames],
     )
-    return ClosedRound(header, b"".join(f.data for f in update.frames))
+    return ClosedRound(header, tuple(f.data for f in update.frames))
 
 
 def _fmt(value: float | None) -> str:

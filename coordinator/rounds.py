@@ -179,12 +179,22 @@ class RoundState:
 @dataclass(frozen=True)
 class ClosedRound:
     """A broadcast round result: the header (without the per-worker next task), the
-    chosen frames back to back, and the digest of the parameters after the round, which
-    the coordinator sets once it has applied the round (the broadcast does not wait)."""
+    chosen frames' bytes in header order (the arrivals' own, not copied), and the digest
+    of the parameters after the round, which the coordinator sets once it has applied the
+    round (the broadcast does not wait)."""
 
     header: pb.RoundHeader
-    data: bytes
+    parts: tuple[bytes, ...]
     digest: Future[str] = field(default_factory=Future)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def data(self) -> bytes:
+        """The frames back to back, as they go on the wire (a copy)."""
+        return b"".join(self.parts)
 
     @property
     def round(self) -> int:

@@ -36,6 +36,9 @@ from geoloco.tls import peer_fingerprint
 log = logging.getLogger(__name__)
 
 FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers and tables
+# frames validated at once: decode_frame already uses the codec's threads, and each check
+# holds temporary buffers of the frame's size, so more at once only costs memory
+VALIDATING_AT_ONCE = 2
 EXTRA_CHUNKS = 64  # a frame may come in this many more chunks than CHUNK_BYTES pieces
 
 
@@ -86,6 +89,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         self.code = code
         self.max_frame_bytes = layout.numel * 4 + FRAME_OVERHEAD_BYTES
         self.frame_kind = "sparse" if cfg.compression.method == "sparseloco" else "dense"
+        self.validating = threading.BoundedSemaphore(VALIDATING_AT_ONCE)
         self.slots = StreamSlots()
         self.joins = JoinLimiter()
         self.watchdog = Watchdog()
@@ -193,8 +197,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         try:
             data = self._read_frame(h, it, timeout)
             received = time.monotonic()  # the bytes are in; validating them is the coordinator's time
-            frame = self._decode(h, data)
-            norm, max_abs = frame.magnitudes()
+            with self.validating:
+                frame = self._decode(h, data)
+                norm, max_abs = frame.magnitudes()
         except FrameError as exc:
             self.state.count_rejected(h.worker_id)
             return str(exc)
@@ -292,11 +297,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
         yield pb.RoundUpdate(header=header)
-        view, start = memoryview(closed.data), 0
-        for info in closed.header.frames:
-            for chunk in transport.chunks(view[start:start + info.nbytes]):
+        for part in closed.parts:
+            for chunk in transport.chunks(part):
                 yield pb.RoundUpdate(data=chunk)
-            start += info.nbytes
         digest = _await_digest(closed, context)
         if digest is not None:
             if closed.finished:

@@ -194,7 +194,7 @@ class CoordinatorState:
         with self._params_lock:
             with self.lock:
                 self.history.append(closed)
-                while len(self.history) > 1 and sum(len(c.data) for c in self.history) > HISTORY_BYTES:
+                while len(self.history) > 1 and sum(c.nbytes for c in self.history) > HISTORY_BYTES:
                     self.history.popleft()
                 self.rs = RoundState(closed.round + 1, self.rs.deadline_s)
                 if not closed.finished:
