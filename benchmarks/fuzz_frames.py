@@ -36,7 +36,7 @@ from geoloco.compression import (
     decode_frame,
     encode_dense,
 )
-from geoloco.compression.frame import HEADER_BYTES
+from geoloco.compression.format import HEADER_BYTES
 
 _ROUND_AT, _SENDER_AT = 24, 32  # offsets of round (u64) and sender (u32) in the header (docs/codec.md)
 

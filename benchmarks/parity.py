@@ -69,7 +69,7 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
 
 
 def distributed_loss(cfg: RunConfig) -> float:
-    if run_local(cfg) != 0:
+    if not run_local(cfg).ok:
         raise SystemExit(f"the {cfg.compression.method} run failed; see {cfg.run_dir}/logs")
     return json.loads((Path(cfg.run_dir) / "summary.json").read_text())["final_val_loss"]
 
@@ -88,7 +88,7 @@ def adamw_loss(cfg: RunConfig) -> float:
             group["lr"] = lr_at(inner, step, total)
         batches = [task.batch(p, step) for p in range(cfg.workers)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        loss = task.loss(model, x, y)
+        loss = task.loss(model, (x, y))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)

@@ -5,6 +5,7 @@ one JSON line (docs/benchmarks.md explains the regime and the figures).
 
     python -m benchmarks.wan            # gpt-small, H=1, batch 2 x 64 tokens, 5 rounds
     python -m benchmarks.wan --quick    # gpt-tiny, 2 workers, 2 rounds: a smoke test only
+    python -m benchmarks.wan --model hf:examples/llama_20m --tokenizer train:8192   # a 20.8M Llama
 
 The ideal SparseLoCo round is ``sparse_limit_s`` = inner compute + (bytes up + bytes down
 per worker) / link rate + one round trip: everything else (compression, applying the
@@ -35,7 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--wan", default="20mbit/50ms")
-    p.add_argument("--model", default="gpt-small", help="gpt-small: 10.8M parameters, 43 MB dense fp32")
+    p.add_argument("--model", default="gpt-small",
+                   help="task.model: gpt-small (10.8M parameters, 43 MB dense fp32), module:function, "
+                        "or hf:PATH, e.g. hf:examples/llama_20m (20.8M)")
+    p.add_argument("--tokenizer", default="auto", help="task.tokenizer, e.g. train:8192 for an hf: model")
     p.add_argument("--inner-steps", type=int, default=1, help="H; small, so communication dominates")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
@@ -62,7 +66,8 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
     """The same task, links and seed for both methods; only compression.method differs."""
     return load_config(overrides={
         "workers": args.workers, "rounds": args.rounds, "run_dir": f"{args.run_dir}/{method}",
-        "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
+        "task.model": args.model, "task.tokenizer": args.tokenizer,
+        "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
         "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
         "inner.warmup_steps": 0, "compression.method": method, "network.wan": args.wan,
         "coordinator.deadline_s": 3600.0, "coordinator.checkpoint_every": 0,
@@ -72,7 +77,7 @@ def config(args: argparse.Namespace, method: str) -> RunConfig:
 
 def measure(cfg: RunConfig, warmup_rounds: int) -> dict[str, Any]:
     """Run one method through the local launcher; the steady-state means of its rounds."""
-    if run_local(cfg) != 0:
+    if not run_local(cfg).ok:
         raise SystemExit(f"the {cfg.compression.method} run failed; see {cfg.run_dir}/logs")
     run_dir = Path(cfg.run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -1,14 +1,26 @@
 """The SparseLoCo codec: error feedback, chunked top-k, 2-bit values, coded indices, and
-the self-describing frame format (Sarfi et al. 2025, arXiv 2508.15706). See docs/codec.md."""
+the self-describing frame format (Sarfi et al. 2025, arXiv 2508.15706). See docs/codec.md.
 
-from .aggregate import aggregate, apply_frames, decode_apply
+    layout.py      TensorSpec, Layout, ChunkGrid: chunk geometry and every size derived from it
+    format.py      the frame format: header, sections, checksum; writing and structural checks
+    reference.py   the plain-torch encoder and decoder: the executable specification
+    backend.py     what a codec backend does; registry.py: the installed ones
+    _cpu/          the numba backend: fused encoder, segment decoder, their threads
+    compressor.py  Compressor: the error-feedback state
+    frame.py       Frame, decode_frame, encode_dense
+    apply.py       aggregate, apply_frames, decode_apply
+    memory.py      on_huge_pages
+"""
+
+from .apply import aggregate, apply_frames, decode_apply
 from .compressor import Compressor
-from .errors import FrameError
+from .format import MAX_TILE, FrameError
 from .frame import Frame, decode_frame, encode_dense
 from .layout import Layout, TensorSpec
 from .memory import on_huge_pages
 
 __all__ = [
+    "MAX_TILE",
     "Compressor",
     "Frame",
     "FrameError",

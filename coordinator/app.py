@@ -16,9 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import Tensor, nn
 
 from geoloco import transport
-from geoloco.compression import Layout
-from geoloco.compression.memory import huge_page_buffer
-from geoloco.config import RunConfig, require_token
+from geoloco.compression import Layout, on_huge_pages
+from geoloco.config import ConfigError, RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
@@ -31,7 +30,7 @@ from geoloco.coordinator.service import CoordinatorServicer
 from geoloco.coordinator.state import CoordinatorState
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-from geoloco.replica import param_digest
+from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.tasks import build_task
 from geoloco.tls import server_credentials
 
@@ -47,15 +46,18 @@ EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 class Coordinator:
-    """One run of the coordinator: its state, its round loop on a thread, its server."""
+    """One run of the coordinator: its state, its round loop on a thread, its server.
+    ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
+    ``run_dir`` defaults to ``cfg.run_dir``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
         check_aggregation(cfg)
         token = require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+        check_data(cfg, task.fingerprint)
         model = task.make_model().to("cpu", torch.float32)
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
@@ -68,7 +70,7 @@ class Coordinator:
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s))
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
-                              self.run_dir)
+                              self.run_dir, task.model_files(model))
         self.port: int | None = None
         self._server: grpc.Server | None = None
         self._health = health.HealthServicer()
@@ -90,7 +92,6 @@ class Coordinator:
         self._thread = threading.Thread(target=self.loop.run, name="round-loop", daemon=True)
         self._thread.start()
         return self.port
-
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the run is over (all rounds done, or stopped)."""
@@ -160,18 +161,12 @@ def serve(cfg: RunConfig, servicer: CoordinatorServicer, health_servicer: health
 
 
 def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
-    """The model's layout and its fp32 parameters, moved one by one into one buffer on huge
-    pages (applying sparse rounds touches cache lines at random); each original is freed
-    as soon as it is copied, so the move never holds the model twice."""
-    named = list(model.named_parameters())
-    layout = Layout.from_named_tensors(named)
-    buffer, offset = huge_page_buffer(layout.numel), 0
-    for _, p in named:
-        view = buffer[offset:offset + p.numel()].view(p.shape)
-        view.copy_(p.data)
-        p.data = view
-        offset += p.numel()
-    return layout, [p.data for _, p in named]
+    """The model's layout and the tensors the replicas share (geoloco.replica.replica_tensors),
+    moved into one buffer on huge pages (applying sparse rounds touches cache lines at random)."""
+    named = replica_tensors(model)
+    for (_, t), data in zip(named, on_huge_pages([t.data for _, t in named]), strict=True):
+        t.data = data
+    return replica_layout(model), [t.data for _, t in named]
 
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
@@ -194,6 +189,16 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
     registry.load_dict(ckpt.workers)
     log.info("resumed from checkpoint at round %d (digest %s)", ckpt.round, param_digest(params))
     return ckpt.round, RunTotals(**ckpt.totals)
+
+
+def check_data(cfg: RunConfig, fingerprint: str) -> None:
+    """Record the data's fingerprint in the run config the workers receive (they refuse to
+    train on other data); a fingerprint set in the config must be this data's."""
+    expected = cfg.task.data_fingerprint
+    if expected is not None and expected != fingerprint:
+        raise ConfigError(f"task.data_fingerprint is {expected!r} but the data read here has "
+                          f"fingerprint {fingerprint!r}; give the data it was taken from, or drop it")
+    cfg.task.data_fingerprint = fingerprint
 
 
 def coding_summary(code: GradientCode) -> dict[str, object]:

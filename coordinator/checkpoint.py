@@ -1,24 +1,31 @@
-"""Atomic coordinator checkpoints (parameters, outer-optimizer state, next round, worker
-registry, run totals) and loading the newest one for ``--resume`` (docs/protocol.md)."""
+"""Atomic coordinator checkpoints and loading the newest one for ``--resume``
+(docs/protocol.md). A checkpoint is a folder others can read: the weights as safetensors
+next to the model's config.json (and tokenizer.json), plus a sidecar with the outer
+optimizer's state, the next round, the worker registry and the run totals."""
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: one torch.save file round_XXXXXXXX.pt (still read)
 KEEP_CHECKPOINTS = 3  # older checkpoints are deleted once a newer one is on disk
-_NAME = re.compile(r"^round_(\d{8})\.pt$")
+WEIGHTS_FILE = "model.safetensors"  # the name transformers' from_pretrained looks for
+STATE_FILE = "state.pt"  # the sidecar, written last: a folder without it is not a checkpoint
+_NAME = re.compile(r"^round_(\d{8})(\.pt)?$")
 
 
 @dataclass
@@ -31,12 +38,17 @@ class Checkpoint:
     workers: dict[int, dict[str, Any]]  # worker id -> {"session_sha256": ..., "hostname": ...}
     layout_digest: bytes
     totals: dict[str, Any] = field(default_factory=dict)  # run figures summary.json needs
+    # the model's tensors outside the layout (frozen parameters, integer buffers), so that
+    # the weights file holds the whole model
+    fixed: dict[str, Tensor] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # config.json, tokenizer.json: name -> text
 
     def to_dict(self) -> dict[str, Any]:
+        """The sidecar: everything but the tensors of the weights file."""
         return {
             "format_version": FORMAT_VERSION,
             "round": self.round,
-            "params": self.params,
+            "param_names": list(self.params),
             "outer_state": self.outer_state,
             "workers": self.workers,
             "layout_digest": self.layout_digest.hex(),
@@ -44,53 +56,118 @@ class Checkpoint:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Checkpoint:
+    def from_dict(cls, data: dict[str, Any], weights: dict[str, Tensor] | None = None) -> Checkpoint:
+        """From the sidecar and the weights file (format 1 kept the parameters inside)."""
         version = data.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in (1, FORMAT_VERSION):
             raise ValueError(f"checkpoint format version {version!r}, expected {FORMAT_VERSION}")
+        if version == 1:
+            params, fixed = data["params"], {}
+        else:
+            names = data["param_names"]
+            params = {name: weights[name] for name in names}
+            fixed = {name: t for name, t in weights.items() if name not in params}
         return cls(
             round=int(data["round"]),
-            params=data["params"],
+            params=params,
             outer_state=data["outer_state"],
             workers={int(k): v for k, v in data["workers"].items()},
             layout_digest=bytes.fromhex(data["layout_digest"]),
             totals=data.get("totals", {}),
+            fixed=fixed,
         )
 
 
 def checkpoint_path(run_dir: Path, round: int) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR / f"round_{round:08d}.pt"
+    """The folder of the checkpoint at the start of ``round``."""
+    return Path(run_dir) / CHECKPOINT_DIR / f"round_{round:08d}"
 
 
 def save(run_dir: Path, ckpt: Checkpoint) -> Path:
-    """Write ``ckpt`` atomically (temp file, fsync, rename) and prune old checkpoints."""
+    """Write ``ckpt`` atomically (a temporary folder, each file fsynced, the sidecar last,
+    then renamed into place) and prune old checkpoints; returns its folder."""
     path = checkpoint_path(run_dir, ckpt.round)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(ckpt.to_dict(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
+    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "geoloco_round": str(ckpt.round)})
+    _fsync(tmp / WEIGHTS_FILE)
+    for name, text in ckpt.files.items():
+        _write(tmp / name, text.encode())
+    state = io.BytesIO()
+    torch.save(ckpt.to_dict(), state)
+    _write(tmp / STATE_FILE, state.getvalue())
+    _replace_folder(tmp, path)
     _prune(path.parent)
     return path
 
 
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_folder(tmp: Path, path: Path) -> None:
+    """Rename ``tmp`` to ``path``; a checkpoint already there (the same round saved again)
+    is moved aside first and removed after."""
+    old = path.with_name(f"{path.name}.old{os.getpid()}") if path.exists() else None
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoint files in ``run_dir``, oldest first."""
+    """Checkpoints in ``run_dir`` (folders, and format 1 files), oldest first."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     if not folder.is_dir():
         return []
-    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
+    found = [p for p in folder.iterdir() if _NAME.match(p.name)
+             and (p.is_file() if p.suffix == ".pt" else p.is_dir())]
+    return sorted(found, key=lambda p: (int(_NAME.match(p.name).group(1)), p.is_dir()))
+
+
+def load(path: Path) -> Checkpoint:
+    """The checkpoint in folder ``path`` (or a format 1 file); any damage raises."""
+    path = Path(path)
+    if path.is_file():
+        return Checkpoint.from_dict(torch.load(path, map_location="cpu", weights_only=True))
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    return Checkpoint.from_dict(state, load_file(str(path / WEIGHTS_FILE)))
+
+
+def latest_path(run_dir: Path) -> Path | None:
+    """The newest readable checkpoint's path, or None; an unreadable one is logged and
+    skipped for the one before it."""
+    found = _latest(run_dir)
+    return found[0] if found else None
 
 
 def load_latest(run_dir: Path) -> Checkpoint | None:
     """The newest readable checkpoint, or None when there is none; an unreadable one is
     logged and skipped for the one before it."""
+    found = _latest(run_dir)
+    return found[1] if found else None
+
+
+def _latest(run_dir: Path) -> tuple[Path, Checkpoint] | None:
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-            return Checkpoint.from_dict(data)
+            return path, load(path)
         except Exception as exc:  # noqa: BLE001 - any damage means: try the older one
             log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
     return None
@@ -98,4 +175,7 @@ def load_latest(run_dir: Path) -> Checkpoint | None:
 
 def _prune(folder: Path) -> None:
     for old in list_checkpoints(folder.parent)[:-KEEP_CHECKPOINTS]:
-        old.unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)

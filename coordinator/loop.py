@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from torch import nn
+from torch import Tensor, nn
 
 from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
@@ -32,13 +32,16 @@ class RoundLoop:
     """Runs every round of one run over ``state``; ``done`` is set when the run ends."""
 
     def __init__(self, cfg: RunConfig, state: CoordinatorState, policy: ClosePolicy,
-                 outer: OuterOptimizer, task: Task, model: nn.Module, run_dir: Path) -> None:
+                 outer: OuterOptimizer, task: Task, model: nn.Module, run_dir: Path,
+                 model_files: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.state = state
         self.policy = policy
         self.outer = outer
         self.task = task
         self.model = model  # its parameters are state.params
+        self.model_files = model_files or {}  # config.json (and tokenizer.json) beside the weights
+        self.fixed = fixed_tensors(model, state.params)
         self.run_dir = Path(run_dir)
         self.metrics = MetricsWriter(self.run_dir)
         self.bounds = FrameBounds(cfg.guard, state.params)
@@ -127,7 +130,8 @@ class RoundLoop:
         names = [spec.name for spec in self.state.layout.specs]
         params = dict(zip(names, self.state.params_copy(), strict=True))
         ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,
-                                     self.state.layout.digest, totals)
+                                     self.state.layout.digest, totals, fixed=self.fixed,
+                                     files=self.model_files)
         path = checkpoint.save(self.run_dir, ckpt)
         log.info("checkpoint %s (round %d)", path, next_round)
         return path
@@ -148,6 +152,19 @@ class RoundLoop:
         path = self.metrics.write_summary(totals.summary(dense))
         log.info("run finished after %d rounds: val loss %s -> %s; summary %s", totals.rounds,
                  _fmt(totals.initial_val_loss), _fmt(totals.final_val_loss), path)
+
+
+def fixed_tensors(model: nn.Module, shared: list[Tensor]) -> dict[str, Tensor]:
+    """Copies of the model's state-dict tensors that the replicas do not share (frozen
+    parameters, integer buffers): never changed, but part of the model a checkpoint saves.
+    A name of a tensor already saved (a tied weight) is left out."""
+    seen = {t.data_ptr() for t in shared}
+    fixed = {}
+    for name, t in model.state_dict().items():
+        if t.numel() == 0 or t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            fixed[name] = t.detach().clone()
+    return fixed
 
 
 def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:

@@ -1,5 +1,6 @@
 """The ``geoloco`` command: ``local`` (coordinator + workers on emulated WAN links),
-``coordinator`` and ``worker``; a config file plus flags, mapped onto geoloco.config.
+``coordinator``, ``worker`` and ``export``; a config file plus flags, mapped onto
+geoloco.config.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from geoloco.config import (  # noqa: E402
 )
 
 EXIT_CONFIG_ERROR = 2
+EXIT_EXPORT_FAILED = 1
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # flag attribute -> config field; only flags given on the command line override the file
@@ -53,10 +55,14 @@ COORDINATOR_FLAGS = {
 }
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
-    "connect_timeout": "worker.connect_timeout_s", "tls_server_name": "tls.server_name", **TLS_FLAGS,
+    "connect_timeout": "worker.connect_timeout_s", "tls_server_name": "tls.server_name",
+    "precision": "worker.precision", **TLS_FLAGS,
 }
 # fields that hold secrets: a command line is visible to every user of the machine (ps)
 COMMAND_LINE_SECRETS = ("coordinator.token",)
+MODEL_HELP = ("a preset (gpt-tiny | gpt-small | gpt-medium | gpt-100m), module:function or "
+              "file.py:function (a factory of an nn.Module), or hf:PATH (a transformers config or "
+              "checkpoint folder)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_coordinator(sub)
     _add_worker(sub)
     _add_certs(sub)
+    _add_export(sub)
     return parser
 
 
@@ -116,7 +123,7 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--wan", metavar="PROFILE", help="link profile of every worker, e.g. 20mbit/50ms")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go")
     p.add_argument("--method", choices=("sparseloco", "diloco"), help="SparseLoCo or the dense DiLoCo baseline")
-    p.add_argument("--model", help="model preset: gpt-tiny | gpt-small | gpt-medium | gpt-100m")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--inner-steps", type=int, metavar="H", help="inner AdamW steps per round")
     p.add_argument("--scheme", help="straggler policy: none | ignore | gc-fr | gc-cr | pgc-fr | pgc-cr")
     p.add_argument("--stragglers", type=int, metavar="S", help="stragglers tolerated per round")
@@ -154,6 +161,8 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--tls-server-name", metavar="NAME",
                    help="the name the coordinator's certificate carries (default: the host dialled)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="training device")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
+                   help="inner-loop autocast (auto: bf16 on a GPU that has it)")
     p.add_argument("--connect-timeout", type=float, metavar="SECONDS",
                    help="give up (exit 1) when the coordinator stays unreachable this long")
     p.add_argument("--wan-emulate", metavar="PROFILE",
@@ -181,6 +190,17 @@ def _add_certs(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=0, metavar="N", help="worker certificates 0..N-1")
     p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     p.set_defaults(run=_run_certs)
+
+
+def _add_export(sub: Any) -> None:
+    p = sub.add_parser("export", allow_abbrev=False, help="write a run's newest checkpoint as a model folder others load",
+                       description="A transformers save_pretrained folder for hf: models; for the "
+                       "others model.safetensors (a plain state dict) beside config.json. The "
+                       "tokenizer.json goes along when the run had one.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (config.json, checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="folder to write (created; files in it are replaced)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(run=_run_export)
 
 
 def resolve_config(args: argparse.Namespace, flags: dict[str, str],
@@ -219,7 +239,7 @@ def _run_local(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.launch import run_local
 
-    return run_local(cfg, stall_timeout_s=args.stall_timeout)
+    return run_local(cfg, stall_timeout_s=args.stall_timeout).exit_code
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -242,7 +262,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         cfg.worker.coordinator, token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
-        identity_file=args.identity_file, tls=cfg.tls,
+        identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
     )
 
 
@@ -254,6 +274,19 @@ def _run_certs(args: argparse.Namespace) -> int:
 
     for path in make_run_credentials(Path(args.dir), args.san, args.workers, args.days):
         print(f"wrote {path}")
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    configure_logging(None, args.verbose)
+    from geoloco.coordinator.export import ExportError, export_run
+
+    try:
+        out = export_run(Path(args.run_dir), Path(args.out))
+    except ExportError as exc:
+        print(f"geoloco: export: {exc}", file=sys.stderr)
+        return EXIT_EXPORT_FAILED
+    print(out)
     return 0
 
 

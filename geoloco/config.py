@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geoloco.compression.frame import MAX_TILE
+from geoloco.compression import MAX_TILE
 from geoloco.profiles import (
     LinkProfile,
     LinkProfileError,
@@ -28,6 +28,9 @@ SCHEMES = ("none", "ignore", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
 INDEX_CODINGS = ("rice", "fixed")
 DENSE_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16")
+MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
+TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 AGGREGATIONS = ("mean", "mean_kept")
 TOKEN_ENV = "GEOLOCO_TOKEN"  # the run token from the environment (never from a command line)
 SECRET_FIELDS = (("coordinator", "token"),)  # left out of every config written or sent
@@ -41,12 +44,24 @@ class ConfigError(ValueError):
 class TaskConfig:
     """Model and data. The default corpus is the running Python's standard library sources."""
 
-    model: str = "gpt-tiny"  # one of MODEL_PRESETS (tiny ~1M parameters for tests and demos)
-    data: str | None = None  # a text file or a folder of text files; None: stdlib sources
-    seq_len: int = 64  # tokens (bytes) per training sequence
+    # one of MODEL_PRESETS (tiny ~1M parameters for tests and demos); module:function or
+    # path/to/file.py:function (a factory of an nn.Module); hf:PATH (a transformers causal LM
+    # from a local config.json or checkpoint folder)
+    model: str = "gpt-tiny"
+    # a text file or a folder of text files, or JSONL/JSON/Parquet records (a file or a folder
+    # of them); None: the stdlib sources
+    data: str | None = None
+    text_field: str = "text"  # the column of JSONL/Parquet records that holds the text
+    # bytes | PATH (a tokenizer.json, or a folder holding one) | train:VOCAB (BPE trained on
+    # the corpus) | auto: the hf: model folder's tokenizer.json if it has one, else bytes
+    tokenizer: str = "auto"
+    seq_len: int = 64  # tokens per training sequence
     batch_size: int = 16  # sequences per inner step
     val_batches: int = 8  # held-out batches averaged for the validation loss
-    corpus_bytes: int = 4_000_000  # cap on the corpus read, so start-up stays fast
+    corpus_bytes: int = 4_000_000  # cap on the text read, so start-up stays fast
+    # the tokenized corpus's fingerprint (geoloco.tasks.LMTask.fingerprint); None: the
+    # coordinator fills in its own, and a worker whose data differs refuses to start
+    data_fingerprint: str | None = None
 
 
 @dataclass
@@ -140,6 +155,9 @@ class WorkerConfig:
     coordinator: str = "127.0.0.1:50051"
     connect_timeout_s: float = 60.0  # give up (exit non-zero) after retrying this long
     device: str = "auto"  # auto | cpu | cuda
+    # the inner loop's autocast: bf16 | fp32 | auto (bf16 on a GPU that has it, else fp32);
+    # master weights, error feedback and pseudo-gradients stay fp32 whatever it is
+    precision: str = "auto"
 
 
 @dataclass
@@ -247,6 +265,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_stragglers(cfg.stragglers, cfg.workers)
     _check_coordinator(cfg.coordinator)
     _check_choice("worker.device", cfg.worker.device, DEVICES)
+    _check_choice("worker.precision", cfg.worker.precision, PRECISIONS)
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
     _check_address("worker.coordinator", cfg.worker.coordinator)
     _check_tls(cfg.tls)
@@ -256,13 +275,54 @@ def validate(cfg: RunConfig) -> RunConfig:
 
 
 def _check_task(task: TaskConfig) -> None:
-    _check_choice("task.model", task.model, MODEL_PRESETS)
+    _check_model(task.model)
     if task.data is not None and not Path(task.data).exists():
-        raise ConfigError(f"task.data: {task.data!r} does not exist (a text file or a folder of them)")
+        raise ConfigError(f"task.data: {task.data!r} does not exist (a text file, a JSONL or "
+                          "Parquet file, or a folder of them)")
+    if not isinstance(task.text_field, str) or not task.text_field:
+        raise ConfigError(f"task.text_field: {task.text_field!r} is not a column name")
+    _check_tokenizer(task.tokenizer)
+    if task.data_fingerprint is not None and not isinstance(task.data_fingerprint, str):
+        raise ConfigError(f"task.data_fingerprint: {task.data_fingerprint!r} is not a fingerprint")
     _check_range("task.seq_len", task.seq_len, 8, 8192)
     _check_range("task.batch_size", task.batch_size, 1, 4096)
     _check_range("task.val_batches", task.val_batches, 1, 10_000)
     _check_range("task.corpus_bytes", task.corpus_bytes, 10_000, 10**11)
+
+
+def _check_model(model: Any) -> None:
+    """A preset, ``module:function``, ``file.py:function`` or ``hf:PATH`` (PATH exists)."""
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"task.model: {model!r} is not one of {', '.join(MODEL_KINDS)}")
+    if model.startswith("hf:"):
+        if not Path(model[3:]).exists():
+            raise ConfigError(f"task.model: {model[3:]!r} does not exist (hf:PATH wants a local "
+                              "config.json, or a folder with config.json and optionally weights)")
+        return
+    module, sep, function = model.rpartition(":")
+    if not sep:
+        _check_choice("task.model", model, MODEL_PRESETS)
+    elif not function.isidentifier() or not module:
+        raise ConfigError(f"task.model: {model!r} is not module:function (e.g. mypkg.models:make_model "
+                          "or models/mine.py:make_model)")
+
+
+def _check_tokenizer(spec: Any) -> None:
+    """``auto``, ``bytes``, ``train:VOCAB`` or a path that exists."""
+    if not isinstance(spec, str) or not spec:
+        raise ConfigError(f"task.tokenizer: {spec!r} is not auto, bytes, train:VOCAB or a path")
+    if spec in ("auto", "bytes"):
+        return
+    if spec.startswith("train:"):
+        low, high = TOKENIZER_TRAIN_VOCAB
+        vocab = spec[len("train:"):]
+        if not vocab.isdigit() or not low <= int(vocab) <= high:
+            raise ConfigError(f"task.tokenizer: {spec!r}: train:VOCAB wants a vocabulary size in "
+                              f"the allowed range {low}..{high}")
+        return
+    if not Path(spec).exists():
+        raise ConfigError(f"task.tokenizer: {spec!r} does not exist (a tokenizer.json or a folder "
+                          "holding one; or auto, bytes, train:VOCAB)")
 
 
 def _check_inner(inner: InnerConfig) -> None:

@@ -1,5 +1,6 @@
-"""``geoloco local``: the coordinator and N worker processes on loopback, each worker behind
-its own link emulator relay, with live progress from metrics.jsonl and a summary table.
+"""``geoloco local`` and ``geoloco.run_local``: the coordinator and N worker processes on
+loopback, each worker behind its own link emulator relay, with live progress from
+metrics.jsonl, a summary table and a RunResult.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from geoloco import certs
-from geoloco.config import RunConfig
+from geoloco.config import RunConfig, load_config, validate
+from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 
 log = logging.getLogger(__name__)
@@ -54,8 +57,60 @@ class Child:
         return "\n".join(text[-lines:])
 
 
-def run_local(cfg: RunConfig, stall_timeout_s: float | None = None) -> int:
-    """Run a whole training job locally; returns the exit code (0: finished cleanly)."""
+@dataclass
+class RunResult:
+    """What a local run left: its exit code (0: finished cleanly), why it failed, and the
+    run directory's summary and files."""
+
+    exit_code: int
+    run_dir: Path
+    summary: dict[str, Any] = field(default_factory=dict)  # summary.json ({} if never written)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def metrics_path(self) -> Path:
+        """One JSON line per round (geoloco.coordinator.metrics)."""
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.run_dir / "summary.json"
+
+    @property
+    def logs_dir(self) -> Path:
+        """One log per process."""
+        return self.run_dir / "logs"
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        """The checkpoint folders, oldest first (``geoloco export`` reads the newest)."""
+        return checkpoint.list_checkpoints(self.run_dir)
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """metrics.jsonl's rounds."""
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+
+def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
+    """A validated RunConfig from a RunConfig, a mapping of sections, or a TOML/JSON file."""
+    if isinstance(config, RunConfig):
+        return validate(config)
+    if isinstance(config, Mapping):
+        return validate(RunConfig.from_dict(dict(config)))
+    return load_config(config)
+
+
+def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
+              stall_timeout_s: float | None = None) -> RunResult:
+    """Run a whole training job locally: the coordinator and ``workers`` worker processes
+    on loopback; returns the RunResult once every process has ended."""
+    cfg = as_config(config)
     run = LocalRun(cfg, stall_timeout_s)
     previous = _raise_on_signals()
     try:
@@ -63,16 +118,15 @@ def run_local(cfg: RunConfig, stall_timeout_s: float | None = None) -> int:
         run.watch()
     except LaunchError as exc:
         log.error("%s", exc)
-        return EXIT_FAILED
+        return RunResult(EXIT_FAILED, run.run_dir, run.read_summary(), str(exc))
     except KeyboardInterrupt:
         log.warning("interrupted: stopping the coordinator and the workers")
-        return EXIT_INTERRUPTED
+        return RunResult(EXIT_INTERRUPTED, run.run_dir, run.read_summary(), "interrupted")
     finally:
         run.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    run.report()
-    return 0
+    return RunResult(0, run.run_dir, run.report())
 
 
 def _raise_on_signals() -> dict[int, Any]:
@@ -151,7 +205,8 @@ class LocalRun:
                 "--tls-ca", str(self.certs / certs.CA_CERT),
                 "--tls-cert", str(self.certs / certs.worker_cert(i)),
                 "--tls-key", str(self.certs / certs.worker_key(i)),
-                "--device", self.cfg.worker.device, "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
+                "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
+                "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / "workers"),
                 "--wait-for", str(self.run_dir / "workers" / f"gate-{i}")]
 
@@ -240,10 +295,15 @@ class LocalRun:
             child.log_file.close()
         self.exits.close()
 
-    def report(self) -> None:
-        """Add the workers' digest checks and the relays' bytes to summary.json; print it."""
+    def read_summary(self) -> dict[str, Any]:
+        path = self.run_dir / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def report(self) -> dict[str, Any]:
+        """Add the workers' digest checks and the relays' bytes to summary.json; print it,
+        and return it."""
         summary_path = self.run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        summary = self.read_summary()
         workers = self.worker_reports()
         summary["digest_mismatches"] = sum(w.get("resyncs", 0) for w in workers)
         summary["worker_final_digests"] = {str(w["worker_id"]): w.get("digest") for w in workers}
@@ -253,6 +313,7 @@ class LocalRun:
         tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         tmp.replace(summary_path)
         print(summary_table(summary, workers, self.run_dir), flush=True)
+        return summary
 
     def worker_reports(self) -> list[dict[str, Any]]:
         paths = sorted((self.run_dir / "workers").glob("worker-*.json"))

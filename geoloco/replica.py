@@ -1,6 +1,7 @@
-"""Replica state shared by the coordinator and every worker: how one round's frames are
-applied to the parameters (identically everywhere), and the sha256 parameter digest that
-proves the replicas hold bit-identical parameters afterwards (docs/protocol.md).
+"""Replica state shared by the coordinator and every worker: which of a model's tensors the
+replicas keep identical, how one round's frames are applied to them (identically
+everywhere), and the sha256 digest that proves the replicas hold bit-identical tensors
+afterwards (docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -9,11 +10,30 @@ import hashlib
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from geoloco.compression import Frame, apply_frames
+from geoloco.compression import Frame, Layout, TensorSpec, apply_frames
 
 INCREMENTAL_MODES = ("sum",)  # modes whose frames are applied one at a time, in order
+
+
+def replica_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """What the replicas keep identical and the wire carries, in a stable order: every
+    parameter that trains (a tied one once, under its first name), then every floating-point
+    buffer the state dict keeps (BatchNorm's running statistics: averaged like parameters).
+    Frozen parameters, integer buffers and non-persistent buffers (rotary tables) stay out:
+    the model factory makes them alike everywhere and training does not change them."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    persistent = set(model.state_dict(keep_vars=True))
+    buffers = [(name, b) for name, b in model.named_buffers()
+               if name in persistent and b.is_floating_point()]
+    return params + buffers
+
+
+def replica_layout(model: nn.Module) -> Layout:
+    """The wire layout of ``replica_tensors(model)``: names and shapes, and fp32 whatever the
+    model's own dtype, since every replica's master copy is fp32."""
+    return Layout(TensorSpec(name, tuple(t.shape), torch.float32) for name, t in replica_tensors(model))
 
 
 def apply_round(params: Sequence[Tensor], frames: Iterable[Frame], weights: Sequence[float],

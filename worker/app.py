@@ -1,12 +1,13 @@
 """Entry point of one worker process (``geoloco worker``): an optional link emulator relay
 in front of the coordinator address, then the round loop until the run finishes (exit 0),
-fails (1) or is interrupted (130).
+fails (1) or is interrupted (130); and WorkerThread, a worker that a script starts and stops.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.loop import Worker
 from geoloco.worker.session import Session, read_identity
+from geoloco.worker.trainer import InnerStep
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ def run_worker(
     wait_for: str | Path | None = None,
     identity_file: str | Path | None = None,
     tls: TlsConfig | None = None,
+    precision: str = "auto",
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
@@ -53,7 +56,8 @@ def run_worker(
         with _link(coordinator, wan_emulate) as address:
             session = Session(address, token, connect_timeout_s, identity,
                               _through_relay(security, coordinator, address))
-            worker = Worker(session, device, Path(report_dir) if report_dir else None)
+            worker = Worker(session, device, Path(report_dir) if report_dir else None,
+                            precision=precision)
             return worker.run()
     except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError) as exc:
         log.error("worker failed: %s", exc)
@@ -61,6 +65,51 @@ def run_worker(
     except KeyboardInterrupt:
         log.warning("worker interrupted")
         return EXIT_INTERRUPTED
+
+
+class WorkerThread:
+    """A worker of this process, on a thread of its own: ``start()``, then ``wait()`` for the
+    run to finish or ``stop()`` it; ``exit_code`` as ``geoloco worker`` would exit (and
+    ``error``, the exception that failed it). ``inner_step`` replaces the inner training step
+    (geoloco.worker.trainer.InnerStep)."""
+
+    def __init__(self, coordinator: str, token: str, device: str = "auto", precision: str = "auto",
+                 connect_timeout_s: float = 60.0, report_dir: str | Path | None = None,
+                 inner_step: InnerStep | None = None) -> None:
+        self.session = Session(coordinator, token, connect_timeout_s)
+        self.worker = Worker(self.session, device, Path(report_dir) if report_dir else None,
+                             precision=precision, inner_step=inner_step)
+        self.exit_code: int | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> WorkerThread:
+        self._thread = threading.Thread(target=self._run, name="geoloco-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.exit_code = self.worker.run()
+        except Exception as exc:  # noqa: BLE001 - kept for the caller, as the process would exit 1
+            log.error("worker failed: %s", exc)
+            self.error, self.exit_code = exc, EXIT_FAILED
+            self.worker.close()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the worker has ended (finished, failed or stopped)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self._thread is not None and not self._thread.is_alive()
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """End the worker where it is (its report says ``stopped``) and wait for it."""
+        self.worker.stop()
+        self.wait(timeout)
+
+    @property
+    def worker_id(self) -> int | None:
+        return self.session.worker_id
 
 
 @contextlib.contextmanager

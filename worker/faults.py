@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from geoloco.compression.frame import HEADER_BYTES
+from geoloco.compression.format import HEADER_BYTES
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.transport import ChannelSecurity
 from geoloco.worker.session import Push, Session

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,17 +22,24 @@ from geoloco import transport
 from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
 from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.replica import param_digest
+from geoloco.replica import param_digest, replica_layout
 from geoloco.tasks import build_task
+from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler
 from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
-from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
+from geoloco.worker.trainer import InnerStep, InnerTrainer, describe_device, resolve_device
 
 log = logging.getLogger(__name__)
+
+EXIT_STOPPED = 130  # run()'s code after stop(), the same as an interrupt's
+
+
+class Stopped(Exception):
+    """stop() was called: the loop ends where it is, without finishing the run."""
 
 
 @dataclass
@@ -60,11 +68,20 @@ class Training:
     deltas: LatestDeltas = field(default_factory=LatestDeltas)
 
     @classmethod
-    def from_join(cls, reply: pb.JoinReply, device: torch.device) -> Training:
+    def from_join(cls, reply: pb.JoinReply, device: torch.device, precision: str = "fp32",
+                  inner_step: InnerStep | None = None) -> Training:
         """Built from the run config the coordinator sent; the codec is warmed before round 0."""
         cfg = validate(RunConfig.from_dict(json.loads(reply.run_config_json)))
-        trainer = InnerTrainer(build_task(cfg.task, cfg.workers, seed=cfg.seed), cfg.inner, cfg.rounds, device)
-        layout = Layout.from_named_tensors(trainer.model.named_parameters())
+        task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+        expected = cfg.task.data_fingerprint
+        if expected is not None and task.fingerprint != expected:
+            raise JoinRefused(
+                f"data mismatch: this worker's data ({task.n_tokens} {task.unit} from "
+                f"{describe_source(cfg.task.data)}, tokenizer {task.tokenizer.name}) has fingerprint "
+                f"{task.fingerprint}, the coordinator's {expected}; give every machine the same "
+                "task.data (the default corpus is each machine's own Python standard library)")
+        trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, precision, inner_step)
+        layout = replica_layout(trainer.model)
         if reply.layout_digest and reply.layout_digest != layout.digest:
             raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
@@ -85,12 +102,18 @@ class Trained:
 
 class Worker:
     """One worker: θ, the CPU fp32 master copy of the global parameters at the start of
-    ``round``, and the loop that plays one round after the other over its Session."""
+    ``round``, and the loop that plays one round after the other over its Session.
+    ``precision`` is the inner loop's autocast (worker.precision); ``inner_step`` replaces
+    the inner training step (geoloco.worker.trainer.InnerStep)."""
 
     def __init__(self, session: Session, device: str = "auto", report_dir: Path | None = None,
-                 max_resyncs: int = 50) -> None:
+                 max_resyncs: int = 50, precision: str = "auto",
+                 inner_step: InnerStep | None = None) -> None:
         self.session = session
         self.device = resolve_device(device)
+        self.precision = precision
+        self.inner_step = inner_step
+        self.stopping = threading.Event()  # stop() was called
         self.report_dir = report_dir  # worker-<id>.json goes there (join, then the final digest)
         self.max_resyncs = max_resyncs  # give up if the replica keeps diverging
         self.training: Training | None = None  # built at the first Join
@@ -106,25 +129,40 @@ class Worker:
 
     def run(self) -> int:
         """Join, then play one round after the other until the coordinator says the run is
-        finished; returns the exit code (0). A lost connection rejoins with the same id."""
+        finished; returns the exit code (0; EXIT_STOPPED after stop()). A lost connection
+        rejoins with the same id."""
         try:
-            self.connect()
-        except Disconnected as exc:
-            self.reconnect(str(exc))
-        finished = False
-        while not finished:
             try:
-                finished = self.play_round()
+                self.connect()
             except Disconnected as exc:
                 self.reconnect(str(exc))
+            finished = False
+            while not finished:
+                try:
+                    finished = self.play_round()
+                except Disconnected as exc:
+                    self.reconnect(str(exc))
+        except Stopped:
+            log.info("worker %s stopped at round %d", self.session.worker_id, self.round)
+            self.write_report("stopped")
+            self.close()
+            return EXIT_STOPPED
         self.finish()
         return 0
+
+    def stop(self) -> None:
+        """End run() from another thread: the session closes, so a call waiting on the
+        coordinator returns, and the loop ends instead of rejoining."""
+        self.stopping.set()
+        self.session.close()
 
     def play_round(self) -> bool:
         """One round from θ_r: train → confirm θ_r → straggle → encode → push → apply.
         Early exits: a result already in skips whatever is left before it is applied, and a
         θ_r that fails its digest check drops what was trained (the state is fetched again,
         the round starts over). True when the run is finished."""
+        if self.stopping.is_set():
+            raise Stopped("stop() was called")
         result = self.session.poll_result(self.round)
         if result is None and self.outbox is None and self.has_work():
             trained = self.train()
@@ -272,7 +310,7 @@ class Worker:
         reply = self.session.join(describe_device(self.device))
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
-            self.training = Training.from_join(reply, self.device)
+            self.training = Training.from_join(reply, self.device, self.precision, self.inner_step)
             # θ on huge pages: applying sparse rounds touches cache lines at random
             self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
         if not self.release_check():
@@ -284,6 +322,8 @@ class Worker:
     def reconnect(self, reason: str) -> None:
         """Rejoin with the same id, retrying until connect_timeout_s (Join itself backs off
         while the coordinator is unreachable)."""
+        if self.stopping.is_set():
+            raise Stopped(reason)
         log.warning("connection lost (%s); rejoining as worker %s", reason, self.session.worker_id)
         self.counters.reconnects += 1
         deadline = time.monotonic() + self.session.connect_timeout_s
@@ -292,6 +332,8 @@ class Worker:
                 self.connect()
                 return
             except Disconnected as exc:
+                if self.stopping.is_set():
+                    raise Stopped(str(exc)) from None
                 if time.monotonic() > deadline:
                     raise CoordinatorUnreachable(f"could not resume with {self.session.address}: {exc}") from None
                 log.warning("rejoin incomplete (%s); retrying in %.1fs", exc, transport.BACKOFF_START_S)

@@ -104,7 +104,7 @@ class Session:
         data, first = bytearray(), None
         request = pb.FetchStateRequest(worker_id=self.worker_id, session=self.secret)
         try:
-            for chunk in self._stub.FetchState(request, metadata=self._metadata()):
+            for chunk in self._connected().FetchState(request, metadata=self._metadata()):
                 first = first or chunk
                 data += chunk.data
         except grpc.RpcError as exc:
@@ -121,7 +121,7 @@ class Session:
                                encode_seconds=push.encode_s, apply_seconds=push.apply_s)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(push.frame)]
         try:
-            return self._stub.Push(iter(chunks), metadata=self._metadata())
+            return self._connected().Push(iter(chunks), metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _rpc_failure("Push", exc) from None
 
@@ -129,7 +129,7 @@ class Session:
         """(Re)open the Rounds stream from ``from_round``; its frames decode against ``layout``."""
         self._stop_following()
         request = pb.RoundsRequest(worker_id=self.worker_id, session=self.secret, from_round=from_round)
-        self._follower = RoundsFollower(self._stub.Rounds(request, metadata=self._metadata()), layout)
+        self._follower = RoundsFollower(self._connected().Rounds(request, metadata=self._metadata()), layout)
 
     def poll_result(self, round_: int) -> RoundResult | None:
         """The result of round ``round_`` (or a later one) if its header is in, else None."""
@@ -147,6 +147,11 @@ class Session:
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
+
+    def _connected(self) -> pb_grpc.CoordinatorStub:
+        if self._stub is None:
+            raise Disconnected("not connected (closed, or not joined yet)")
+        return self._stub
 
     def _followed(self) -> RoundsFollower:
         if self._follower is None:

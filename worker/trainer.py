@@ -1,18 +1,23 @@
 """The worker's inner loop: H AdamW steps from the global parameters on one data partition,
 returning the pseudo-gradient Δ = θ_global − θ_local (DiLoCo, Douillard et al. 2023;
-SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706). See docs/protocol.md step 4.
+SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706), optionally under bf16 autocast; a hook
+may replace the step itself. See docs/protocol.md step 4.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from geoloco.config import InnerConfig
-from geoloco.tasks import Task
+from geoloco.replica import replica_tensors
+from geoloco.tasks import Batch, BatchIterator, Task
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +39,18 @@ def describe_device(device: torch.device) -> str:
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
 
 
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """``auto`` is bf16 on a CUDA device that has it, else fp32; ``bf16`` on a GPU without
+    it is an error (on a CPU, torch's bf16 autocast works, if slowly)."""
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if choice == "auto":
+        return "bf16" if cuda_bf16 else "fp32"
+    if choice == "bf16" and device.type == "cuda" and not cuda_bf16:
+        raise RuntimeError(f"worker.precision is 'bf16' but {describe_device(device)} has no bf16; "
+                           "use 'auto' or 'fp32'")
+    return choice
+
+
 def lr_at(inner: InnerConfig, global_step: int, total_steps: int) -> float:
     """Linear warm-up to ``inner.lr`` over ``warmup_steps``, then cosine decay to
     ``lr * min_lr_ratio`` at ``total_steps`` (the whole run's inner steps)."""
@@ -45,55 +62,105 @@ def lr_at(inner: InnerConfig, global_step: int, total_steps: int) -> float:
     return floor + 0.5 * (inner.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
+InnerStep = Callable[["InnerTrainer", Batch], float]
+"""A replacement for InnerTrainer.default_step: one inner step on ``batch`` (forward under
+``trainer.autocast()``, backward, optimizer step), returning the loss. The trainer has set
+the learning rate before, and checks that the loss is finite after."""
+
+
 class InnerTrainer:
     """One model replica on the training device with an AdamW state that persists across
-    rounds; the caller's master copy of θ stays on CPU in fp32."""
+    rounds; the caller's master copy of θ stays on CPU in fp32. ``params`` are the model's
+    tensors θ maps to (geoloco.replica.replica_tensors), ``trainable`` what AdamW updates."""
 
-    def __init__(self, task: Task, inner: InnerConfig, rounds: int, device: torch.device) -> None:
+    def __init__(self, task: Task, inner: InnerConfig, rounds: int, device: torch.device,
+                 precision: str = "fp32", step: InnerStep | None = None) -> None:
         self.task = task
         self.inner = inner
         self.total_steps = rounds * inner.steps
         self.device = device
+        self.precision = resolve_precision(precision, device)
+        self.step_fn = step
         self.model: nn.Module = task.make_model().to(device)
         self.model.train()
-        self.params = [p for _, p in self.model.named_parameters()]
+        self.params = [t for _, t in replica_tensors(self.model)]
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params,
+            self.trainable,
             lr=inner.lr,
             betas=(inner.beta1, inner.beta2),
             weight_decay=inner.weight_decay,
         )
+        self.positions: dict[int, BatchIterator] = {}  # each partition's data position
 
     def train_partition(self, theta: list[Tensor], partition: int, round_index: int) -> tuple[list[Tensor], float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
         Batches and the learning rate follow the global step ``round × H + step``."""
         self._load(theta)
+        batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
         for step in range(self.inner.steps):
             global_step = round_index * self.inner.steps + step
-            losses.append(self._step(partition, global_step))
+            losses.append(self._step(next(batches), global_step))
         return self._deltas(theta), sum(losses) / len(losses)
+
+    def _batches(self, partition: int, step: int) -> BatchIterator:
+        """The partition's batch iterator at ``step``: the round decides where a partition's
+        data is (every replica training it this round reads the same batches), so a position
+        restored from a checkpoint is moved there when it differs."""
+        batches = self.positions.get(partition)
+        if batches is None:
+            batches = self.positions[partition] = self.task.batches(partition, step)
+        elif batches.step != step:
+            log.debug("partition %d: data position %d moved to %d", partition, batches.step, step)
+            batches.load_state_dict({**batches.state_dict(), "step": step})
+        return batches
+
+    def data_state(self) -> dict[int, dict[str, Any]]:
+        """Each trained partition's data position, for a worker checkpoint."""
+        return {p: batches.state_dict() for p, batches in self.positions.items()}
+
+    def load_data_state(self, state: dict[int, dict[str, Any]]) -> None:
+        """Resume the data positions ``data_state`` saved (ValueError if they belong to
+        other data or partitions)."""
+        for partition, saved in state.items():
+            batches = self.task.batches(int(partition))
+            batches.load_state_dict(saved)
+            self.positions[int(partition)] = batches
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on the training device when the precision is bf16, else nothing."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def _load(self, theta: list[Tensor]) -> None:
         with torch.no_grad():
             for p, t in zip(self.params, theta, strict=True):
                 p.copy_(t, non_blocking=True)
 
-    def _step(self, partition: int, global_step: int) -> float:
+    def _step(self, batch: Batch, global_step: int) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.inner, global_step, self.total_steps)
-        x, y = self.task.batch(partition, global_step)
-        loss = self.task.loss(self.model, x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.inner.grad_clip)
-        self.optimizer.step()
-        value = loss.item()
+        value = (self.step_fn or InnerTrainer.default_step)(self, batch)
         if not math.isfinite(value):
             raise FloatingPointError(f"inner loss became {value} at global step {global_step}; lower inner.lr")
         return value
 
+    def default_step(self, batch: Batch) -> float:
+        """Forward and loss under autocast, backward, clip, AdamW step; the loss value."""
+        with self.autocast():
+            loss = self.task.loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.inner.grad_clip)
+        self.optimizer.step()
+        return float(loss.item())
+
     def _deltas(self, theta: list[Tensor]) -> list[Tensor]:
+        """Δ = start − end in fp32, the start being θ as the model held it (θ itself for fp32
+        tensors, θ rounded to the tensor's dtype for bf16 or fp16 ones)."""
         with torch.no_grad():
-            return [t - p.detach().to("cpu", torch.float32) for t, p in zip(theta, self.params, strict=True)]
+            return [(t if p.dtype == torch.float32 else t.to(p.dtype).float()) - p.detach().to("cpu", torch.float32)
+                    for t, p in zip(theta, self.params, strict=True)]

@@ -310,7 +310,7 @@ def test_full_run_finishes_and_resume_restores_round_and_params(tmp_path, worker
         assert a.push(0, sparse_frame(cfg, coordinator.layout, a.id, 0)).accepted
         _, _, round0_digest = a.next_round()
         deadline = time.monotonic() + 30
-        while not list((run_dir / "checkpoints").glob("round_00000001.pt")):
+        while not list((run_dir / "checkpoints").glob("round_00000001")):
             assert time.monotonic() < deadline, "no checkpoint after round 0"
             time.sleep(0.05)
         session = a.session

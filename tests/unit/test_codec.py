@@ -21,9 +21,18 @@ from geoloco.compression import (
     decode_apply,
     decode_frame,
     encode_dense,
-    kernels,
     on_huge_pages,
 )
+from geoloco.compression.format import (
+    HEADER_BYTES,
+    INDEX_RICE,
+    KIND_SPARSE,
+    TABLE_PER_CHUNK,
+    read_sections,
+    write_frame,
+)
+from geoloco.compression.layout import frame_geometry
+from geoloco.compression.registry import BACKENDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = [
@@ -252,12 +261,12 @@ def test_apply_touches_only_kept_coordinates():
         assert set(nz.tolist()) <= set(f.indices[j].tolist())
 
 
-@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba not installed")
 def test_kernel_and_torch_paths_give_identical_bytes_and_state():
     for table in ("chunk", "tensor"):
         for coding in ("rice", "fixed"):
-            a = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, use_kernel=True)
-            b = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, use_kernel=False)
+            a = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, backend="numba")
+            b = Compressor(LAYOUT, density=3 / 64, tile=8, table=table, index_coding=coding, backend="reference")
             for r in range(3):
                 ds = deltas(r)
                 assert a.compress(ds, round=r, sender=1) == b.compress(ds, round=r, sender=1)
@@ -276,17 +285,18 @@ def test_apply_to_module_parameters_in_place():
 
 
 def test_codec_without_numba_gives_the_same_bytes_and_values(tmp_path):
-    """Where numba is missing, the torch encoder and the plain-Python decoder stand in:
-    a process that cannot import numba makes the same frame and decodes it the same way."""
-    if not kernels.HAVE_NUMBA:
+    """Where numba is missing, the torch reference encodes and decodes: a process that
+    cannot import numba makes the same frame and decodes it the same way."""
+    if "numba" not in BACKENDS:
         pytest.skip("numba not installed: this process already runs the fallback")
     script = textwrap.dedent("""
         import sys, warnings
         sys.modules["numba"] = None  # import numba -> ImportError
         warnings.simplefilter("ignore")
         import torch
-        from geoloco.compression import Compressor, Layout, TensorSpec, decode_frame, kernels
-        assert not kernels.HAVE_NUMBA
+        from geoloco.compression import Compressor, Layout, TensorSpec, decode_frame
+        from geoloco.compression.registry import BACKENDS
+        assert list(BACKENDS) == ["reference"]
         torch.manual_seed(3)
         lay = Layout([TensorSpec("m", (40, 24), torch.float32), TensorSpec("v", (9,), torch.float32)])
         data = Compressor(lay, density=1 / 8, tile=8).compress([torch.randn(40, 24), torch.randn(9)],
@@ -338,18 +348,15 @@ def test_index_offsets_are_validated():
 def test_index_section_with_bytes_past_the_last_chunk_is_refused():
     """A Rice index section may be shorter than its maximum; bytes after the last chunk's
     codes (the last segment has fewer than 64 chunks here) are a FrameError, not a crash."""
-    from geoloco.compression import frame as fr
-
     lay = Layout([TensorSpec("w", (200, 256), torch.float32)])  # 200 chunks of 16x16: segments of 64, 64, 64, 8
     data = Compressor(lay, density=1 / 16, tile=16).compress([torch.randn(200, 256)], round=0, sender=0)
-    plans = fr.sparse_plan(lay, 16, 16, True, False)
-    n_seg = len(fr._decode_arrays(lay, 16, 16, True, False)[3])
-    table, codes, index, offsets = fr._read_sections(
-        memoryview(data)[fr.HEADER_BYTES:-4],
-        [("table", sum(p.table_bytes for p in plans), True), ("codes", sum(p.code_bytes for p in plans), True),
-         ("index", sum(p.index_bytes_max for p in plans), False), ("index offsets", 4 * n_seg, True)])
-    longer = fr.write_frame(fr.KIND_SPARSE, fr.TABLE_PER_CHUNK, fr.INDEX_RICE, lay, 0, 0, 16, 16,
-                            [table, codes, bytes(index) + b"\0", offsets], False)
+    geo = frame_geometry(lay, 16, 16, True, False)
+    table, codes, index, offsets = read_sections(
+        memoryview(data)[HEADER_BYTES:-4],
+        [("table", geo.table_bytes, True), ("codes", geo.code_bytes, True), ("index", geo.index_bytes_max, False),
+         ("index offsets", 4 * len(geo.seg_start), True)])
+    longer = write_frame(KIND_SPARSE, TABLE_PER_CHUNK, INDEX_RICE, lay, 0, 0, 16, 16,
+                         [table, codes, bytes(index) + b"\0", offsets], False)
     with pytest.raises(FrameError, match="'w': the indices of segment 3 do not end"):
         decode_frame(longer, lay)
     params = [torch.zeros(200, 256)]
@@ -370,7 +377,7 @@ def test_single_frame_apply_matches_the_aggregate_bit_for_bit(huge):
     start = [torch.randn(s.shape) for s in lay.specs]
     params = on_huge_pages(start) if huge else [p.clone() for p in start]
     apply_frames(params, [f], [0.7], alpha=0.3)
-    assert f._packed is None  # applied without materializing indices and values
+    assert f._indices is None  # applied without materializing indices and values
     want = [p + torch.tensor(0.3) * u for p, u in zip(start, aggregate(lay, [f], [0.7]), strict=True)]
     for p, q in zip(params, want, strict=True):
         assert torch.equal(p, q)

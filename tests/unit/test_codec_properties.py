@@ -8,8 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame, kernels
+from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame
 from geoloco.compression.layout import ChunkGrid, kept_per_chunk
+from geoloco.compression.registry import BACKENDS
 
 shapes = st.one_of(
     st.just(()),
@@ -73,7 +74,7 @@ def test_roundtrip(shape_list, tile, density, pattern, dtype, coding, table, see
         apply_frames(params, [f])
 
 
-@pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba not installed")
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba not installed")
 @given(st.lists(shapes, min_size=1, max_size=3), st.sampled_from([1, 2, 4, 5, 8, 16, 64]),
        st.floats(0.001, 1.0), patterns, dtypes, st.sampled_from(["rice", "fixed"]),
        st.sampled_from(["chunk", "tensor"]), st.integers(0, 2**16))
@@ -81,7 +82,7 @@ def test_kernel_matches_torch_bit_for_bit(shape_list, tile, density, pattern, dt
     specs = [TensorSpec(f"t{i}", s, dtype) for i, s in enumerate(shape_list)]
     lay = Layout(specs)
     kw = dict(density=density, tile=tile, index_coding=coding, table=table, beta=0.95)
-    a, b = Compressor(lay, use_kernel=True, **kw), Compressor(lay, use_kernel=False, **kw)
+    a, b = Compressor(lay, backend="numba", **kw), Compressor(lay, backend="reference", **kw)
     for r in range(3):
         ds = [make(s.shape, pattern, dtype, seed + 7 * r + i) for i, s in enumerate(specs)]
         assert a.compress(ds, round=r, sender=3) == b.compress(ds, round=r, sender=3)

@@ -98,7 +98,7 @@ def test_bad_link_profiles(text: str) -> None:
 
 
 def test_tile_limit_is_the_frame_format_limit() -> None:
-    from geoloco.compression.frame import MAX_TILE as FRAME_MAX_TILE
+    from geoloco.compression import MAX_TILE as FRAME_MAX_TILE
     from geoloco.config import MAX_TILE
 
     assert MAX_TILE == FRAME_MAX_TILE

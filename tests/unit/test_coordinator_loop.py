@@ -186,7 +186,7 @@ def test_a_run_checkpoints_each_round_and_ends_with_a_summary(tmp_path: Path) ->
     loop.join(WAIT_S)
     assert not run.loop.failed
     names = [p.name for p in checkpoint.list_checkpoints(tmp_path)]
-    assert names == [f"round_{r:08d}.pt" for r in (1, 2, 3)]  # every round, and the end
+    assert names == [f"round_{r:08d}" for r in (1, 2, 3)]  # every round, and the end
     final = checkpoint.load_latest(tmp_path)
     assert final.round == 3 and param_digest(list(final.params.values())) == digest
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -110,10 +110,15 @@ def test_checkpoint_roundtrip_prunes_and_skips_a_damaged_newest(tmp_path):
                                      lay.digest, {"rounds": r})
         checkpoint.save(tmp_path, ckpt)
     paths = checkpoint.list_checkpoints(tmp_path)
-    assert [p.name for p in paths] == [f"round_{r:08d}.pt" for r in (3, 4, 5)]
+    assert [p.name for p in paths] == [f"round_{r:08d}" for r in (3, 4, 5)]
     latest = checkpoint.load_latest(tmp_path)
     assert latest.round == 5 and latest.workers == {0: {"session": "s0"}}
     assert latest.layout_digest == lay.digest and torch.equal(latest.params["w"], torch.full((8, 8), 5.0))
-    paths[-1].write_bytes(paths[-1].read_bytes()[:100])
+    assert list(latest.params) == ["w", "b"]  # the layout's order, whatever the file's
+    weights = paths[-1] / checkpoint.WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:100])
     assert checkpoint.load_latest(tmp_path).round == 4
+    state = paths[-2] / checkpoint.STATE_FILE
+    state.write_bytes(state.read_bytes()[:100])
+    assert checkpoint.load_latest(tmp_path).round == 3
     assert checkpoint.load_latest(tmp_path / "nothing") is None

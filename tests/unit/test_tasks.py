@@ -88,7 +88,7 @@ def test_partitions_are_contiguous_disjoint_and_cover_the_training_bytes(task):
     assert starts[1:] == ends[:-1]
     assert sum(task.partition_sizes) == task.val_start
     assert max(task.partition_sizes) - min(task.partition_sizes) <= 1
-    assert task.corpus_bytes == TaskConfig().corpus_bytes
+    assert task.n_tokens == TaskConfig().corpus_bytes
 
 
 def test_batches_stay_inside_their_partition_and_out_of_validation(task):
@@ -102,10 +102,10 @@ def test_batches_stay_inside_their_partition_and_out_of_validation(task):
 
 
 def test_validation_split_is_the_held_out_tail(task):
-    val_size = task.corpus_bytes - task.val_start
-    assert val_size >= 0.05 * task.corpus_bytes
+    val_size = task.n_tokens - task.val_start
+    assert val_size >= 0.05 * task.n_tokens
     assert task.val_offsets.min() >= task.val_start
-    assert task.val_offsets.max() + task.window <= task.corpus_bytes
+    assert task.val_offsets.max() + task.window <= task.n_tokens
     gaps = task.val_offsets.diff()
     assert gaps.min() >= task.window  # non-overlapping
     assert len(task.val_offsets) == TaskConfig().val_batches * TaskConfig().batch_size
@@ -114,7 +114,7 @@ def test_validation_split_is_the_held_out_tail(task):
 def test_validation_split_grows_to_fit_the_batches():
     cfg = TaskConfig(corpus_bytes=200_000, val_batches=40, batch_size=16, seq_len=64)
     small = build_task(cfg, 2)
-    assert small.corpus_bytes - small.val_start == 40 * 16 * 65  # > 5 % of 200 kB
+    assert small.n_tokens - small.val_start == 40 * 16 * 65  # > 5 % of 200 kB
 
 
 @pytest.mark.parametrize(
@@ -141,7 +141,7 @@ def test_few_adamw_steps_lower_the_validation_loss():
     assert before == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     for step in range(9):
-        loss = task.loss(model, *task.batch(step % 4, step))
+        loss = task.loss(model, task.batch(step % 4, step))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -181,7 +181,7 @@ def test_data_folder_is_read_in_sorted_order_skipping_binary(tmp_path):
     _write(tmp_path / "d.txt", b"\xff\xfe not utf-8")
     cfg = TaskConfig(data=str(tmp_path), corpus_bytes=1_000_000, val_batches=2)
     task = build_task(cfg, 3, seed=0)
-    assert task.corpus_bytes == 60_000
+    assert task.n_tokens == 60_000
     assert bytes(task.data[:30_000].tolist()) == "\u00e9".encode() * 15_000
     assert bytes(task.data[30_000:].tolist()) == b"B" * 30_000
 
@@ -189,7 +189,7 @@ def test_data_folder_is_read_in_sorted_order_skipping_binary(tmp_path):
 def test_data_file_is_capped_by_corpus_bytes(tmp_path):
     _write(tmp_path / "one.txt", b"hello world\n" * 10_000)
     task = build_task(TaskConfig(data=str(tmp_path / "one.txt"), corpus_bytes=50_000), 2)
-    assert task.corpus_bytes == 50_000
+    assert task.n_tokens == 50_000
 
 
 def test_empty_corpus_is_an_error(tmp_path):

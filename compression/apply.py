@@ -1,5 +1,6 @@
-"""Combine decoded frames into one update: a weighted sum, or SparseLoCo's mean over the
-frames that kept each coordinate (Sarfi et al. 2025, arXiv 2508.15706).
+"""Combine decoded frames into one update and apply it: a weighted sum, or SparseLoCo's
+mean over the frames that kept each coordinate (Sarfi et al. 2025, arXiv 2508.15706);
+``decode_apply`` checks and applies one frame in one pass.
 
 Arithmetic is fixed so every replica gets the same bits: contributions ``fp32(w_i * v)``
 are added in frame order starting from zero, ``mean_kept`` divides by the count in fp32,
@@ -10,16 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from . import decode_kernel, kernels
-from .frame import Frame, decode_frame
+from . import registry
+from .frame import Frame, decode_frame, read_frame
 from .layout import Layout
-from .threadpool import pieces, run_tasks
 
 MODES = ("sum", "mean_kept")
-SCATTER_PIECE = 1 << 16  # kept elements per task of the multi-frame scatter
 
 
 def _check(layout: Layout, frames: Sequence[Frame], weights, mode: str) -> list[float]:
@@ -103,9 +101,9 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
     if len(params) != len(layout.specs):
         raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
     any_dense = any(f.kind == "dense" for f in frames)
-    if len(frames) == 1 and not any_dense and _apply_single_cpu(layout, params, frames[0], weights[0], alpha):
+    if len(frames) == 1 and not any_dense and frames[0].body.add_into(params, weights[0], alpha):
         return
-    scatter = []  # (param array, indices, steps) for the threaded CPU kernel
+    scatter = []  # (fp32 contiguous param, indices, steps), added by the backend in one go
     for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
         if tuple(p.shape) != spec.shape:
             raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
@@ -119,79 +117,42 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
                 continue
             idx, u = _sparse_update(frames, weights, j, mode, p.device)
             step = u * a
-            if kernels.HAVE_NUMBA and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
-                scatter.append((p.detach().view(-1).numpy(), idx.numpy(), step.numpy()))
-            elif p.is_contiguous():
-                flat = p.data.view(-1)
+            if p.is_contiguous():
                 if p.dtype == torch.float32:
-                    flat.index_add_(0, idx, step)
+                    scatter.append((p.data, idx, step))
                 else:
+                    flat = p.data.view(-1)
                     flat[idx] = (flat[idx].float() + step).to(p.dtype)
             else:  # non-contiguous param: update a flat copy, write it back
                 tmp = p.reshape(-1).clone()
                 tmp[idx] = (tmp[idx].float() + step).to(p.dtype)
                 p.copy_(tmp.view(spec.shape))
     if scatter:
-        run_tasks([_scatter_task(arr, idx, step, a, b) for arr, idx, step in scatter
-                   for a, b in pieces(len(idx), SCATTER_PIECE)], torch.get_num_threads())
-
-
-def _cpu_addresses(layout: Layout, params) -> np.ndarray | None:
-    """Data addresses of fp32 contiguous CPU params for the numba kernels, or None when a
-    param does not qualify (or numba is missing)."""
-    if not kernels.HAVE_NUMBA:
-        return None
-    addrs = []
-    f32 = torch.float32
-    for spec, p in zip(layout.specs, params, strict=False):  # the cheapest tensor attributes there are
-        if p.shape != spec.shape:
-            raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
-        if not (p.is_cpu and p.dtype is f32 and p.is_contiguous()):
-            return None
-        addrs.append(p.data_ptr())
-    return np.array(addrs, dtype=np.int64)
-
-
-def _apply_single_cpu(layout: Layout, params, frame: Frame, weight: float, alpha: float) -> bool:
-    """One sparse frame straight from its sections into fp32 CPU params, on the codec
-    threads, with no index or value arrays in between: ``p = p + fp32(alpha) *
-    fp32(fp32(w) * v)``, the general path's bits. False (nothing done) when a param does
-    not qualify."""
-    addrs = _cpu_addresses(layout, params) if frame.body is not None else None
-    if addrs is None:
-        return False
-    with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
-        problem = frame.body.run(decode_kernel.APPLY, addrs=addrs, w=weight, a=alpha)
-    if problem is not None:  # validated by decode_frame: cannot happen
-        raise AssertionError(f"applying a validated frame failed: {problem}")
-    return True
+        registry.DECODER.add_at(scatter)
 
 
 def decode_apply(params: Sequence[torch.Tensor], data: bytes, layout: Layout, *, weight: float = 1.0,
-                 alpha: float = 1.0) -> Frame:
+                 alpha: float = 1.0, backend: str | None = None) -> Frame:
     """``apply_frames(params, [decode_frame(data, layout)], [weight], alpha=alpha)`` with
     the same result bits and errors, in one pass where it can: for a sparse frame and
     fp32 contiguous CPU params, each segment of 64 chunks is added in as soon as it checks
     out; a problem found later (the checksum included) subtracts every update again,
     restores the few whose subtraction would not give the old bits back from a log, and
-    raises FrameError: the params are bit for bit as before. Returns the frame."""
+    raises FrameError: the params are bit for bit as before. Returns the frame. backend:
+    the codec backend that checks it (default: numba where installed; the reference
+    decodes, then applies)."""
     params = list(params)
     if len(params) != len(layout.specs):
         raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
     w = float(weight)
-    addrs = _cpu_addresses(layout, params)
-    if addrs is None:
-        frame = decode_frame(data, layout)
+    decoder = registry.DECODER if backend is None else registry.backend(backend)
+    into = decoder.start_apply(data, layout, params, w, alpha)
+    if into is None:
+        frame = decode_frame(data, layout, backend=decoder.name)
         apply_frames(params, [frame], [w], alpha=alpha)
         return frame
     with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
-        frame = decode_frame(data, layout, _apply_to=(addrs, w, alpha))
+        frame = read_frame(data, layout, decoder, into)
     if frame.kind == "dense":
         apply_frames(params, [frame], [w], alpha=alpha)
     return frame
-
-
-def _scatter_task(arr, idx, step, a: int, b: int):
-    def run() -> None:
-        kernels.scatter_add(arr, idx, step, a, b)
-    return run

@@ -1,18 +1,52 @@
-"""Decoder of a sparse frame's index and code sections (numba), one segment of chunks at
-a time so that threads can share a frame.
+"""The segment decoder of sparse frames (numba): checks a frame's index and code sections
+(docs/codec.md, "Validation"), and decodes them into indices and values or adds them
+straight into parameters, one segment of chunks at a time so that threads can share a
+frame.
 
 A segment is ``SEGMENT_CHUNKS`` consecutive chunks in frame order (tensor by tensor); the
-frame's offsets section says where each segment's index bytes start (docs/codec.md).
-Indices are read 64 bits at a time: an unaligned load, a trailing-zero count for the
-unary part of a Rice code, a shift and a mask for its remainder. Every count, position,
-padding bit and segment end is checked; the first violation is reported as a status code
-that ``frame.py`` turns into a ``FrameError``.
+frame's offsets section says where each segment's index bytes start. Indices are read 64
+bits at a time: an unaligned load, a trailing-zero count for the unary part of a Rice
+code, a shift and a mask for its remainder. Every count, position, padding bit and
+segment end is checked; the first violation is reported as one of ``format``'s problem
+codes, the same one the reference decoder reports.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple
 
+import numpy as np
+from numba import njit
+
+from ..format import (
+    CODE_PADDING,
+    INDEX_ORDER,
+    INDEX_PADDING,
+    INDEX_RANGE,
+    INDEX_TRUNCATED,
+    LEVELS_BAD,
+    LEVELS_ORDER,
+    OFFSETS_BACK,
+    OFFSETS_BEYOND,
+    OFFSETS_START,
+    OK,
+    SEGMENT_END,
+    UNARY_TOO_LONG,
+)
+from ..layout import (
+    SEGMENT_CHUNKS,
+    chunk_count,
+    chunk_numel,
+    code_bytes,
+    fixed_width,
+    flat_index,
+    in_tile,
+    kept_per_chunk,
+    rice_max_quotient,
+    rice_param,
+    tile_origin,
+    tile_shift,
+)
 from .intrinsics import (
     add_f32_at,
     ctz,
@@ -23,25 +57,48 @@ from .intrinsics import (
     prefetch_f32_at,
     store_f32_at,
 )
-from .kernels import (
-    ERR_CODE_PADDING,
-    ERR_INDEX_ORDER,
-    ERR_INDEX_PADDING,
-    ERR_INDEX_RANGE,
-    ERR_INDEX_TRUNCATED,
-    ERR_SEGMENT_END,
-    ERR_UNARY_TOO_LONG,
-    OK,
-    _fixed_width,
-    _flat,
-    _kept,
-    _rice_param,
-    njit,
-)
 
-SEGMENT_CHUNKS = 64  # chunks per segment: the unit of parallel decoding (wire format v2)
 INDEX_PAD = 16       # readable bytes after the index section, so 64-bit loads stay inside
 WINDOW = 56          # bits a load at any bit offset is sure to hold (64 - 7, rounded down)
+
+VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what the kernels do with each chunk
+
+
+class FrameArrays(NamedTuple):
+    """A sparse frame as the kernels read it: its sections (table and offsets checked and
+    converted by ``prepare``) and its layout's geometry (``layout.FrameGeometry``).
+
+    Like ApplyArrays, it goes into a kernel as a plain tuple (``tuple(fa)``) that the
+    kernel turns back into the record: numba takes plain tuples about twice as fast as
+    NamedTuples (see ``encode_kernels.EncodePlan``)."""
+
+    buf: np.ndarray        # the index section, then INDEX_PAD readable bytes
+    index_len: int
+    offsets: np.ndarray    # where each segment starts in the index section, then index_len
+    codes: np.ndarray
+    levels: np.ndarray     # fp32 (hi, lo) pairs
+    per_chunk: bool
+    fixed: bool
+    k_full: int
+    tile: int
+    grid: np.ndarray       # per tensor: rows, cols, row_tiles, col_tiles
+    n_chunks: np.ndarray   # per tensor
+    tab_off: np.ndarray    # first level pair of each tensor
+    seg_start: np.ndarray  # per segment: tensor, chunk, first kept element, first code byte, full-size chunks
+    positions: np.ndarray  # in-chunk position of every kept element (uint16), kept by VALIDATE
+
+
+class ApplyArrays(NamedTuple):
+    """Where APPLY, CHECK_APPLY and RESTORE add ``p = p + a * (w * v)``, and what CHECK_APPLY
+    keeps so that RESTORE can undo it."""
+
+    addrs: np.ndarray      # per tensor, the address of its fp32 parameter data
+    w: np.float32
+    a: np.float32
+    log_addr: np.ndarray   # address and old value of each update that does not subtract back
+    log_val: np.ndarray    # exactly (segment s's n_log[s] entries from seg_start[s, 2])
+    n_log: np.ndarray
+    applied: np.ndarray    # per segment, how far it got (kept elements, from seg_start[s, 2])
 
 
 @njit(cache=True, nogil=True)
@@ -53,21 +110,22 @@ def _read_bits(buf, pos):
 @njit(cache=True, nogil=True)
 def _rice_chunk(buf, pos, limit, n, k, out, o):
     """Decode k Rice-coded positions of an n-element chunk from bit pos into out[o:o+k].
-    Returns (status, bit position after the last code)."""
-    b = _rice_param(n, k)
+    Returns (status, bit position after the last code). Which problem a bad code names
+    does not depend on the bits past the segment (``limit``), nor on the load width."""
+    b = rice_param(n, k)
+    longest = rice_max_quotient(n, b)
     rmask = np.uint64((1 << b) - 1)
     wmask = np.uint64((1 << WINDOW) - 1)
     prev = -1
     for j in range(k):
+        start = pos
         w = _read_bits(buf, pos) & wmask
         q = 0
         while w == 0:  # a unary run longer than the window: rare, only in very sparse chunks
             q += WINDOW
             pos += WINDOW
-            if prev + 1 + (q << b) >= n:
-                return ERR_UNARY_TOO_LONG, pos
-            if pos > limit:
-                return ERR_INDEX_TRUNCATED, pos
+            if q > longest or pos > limit:
+                return _rice_problem(q, start, pos, limit, longest), pos
             w = _read_bits(buf, pos) & wmask
         z = np.int64(ctz(w))
         q += z
@@ -75,30 +133,41 @@ def _rice_chunk(buf, pos, limit, n, k, out, o):
         r = np.int64((_read_bits(buf, pos) if z + 1 + b > WINDOW else w >> np.uint64(z + 1)) & rmask)
         pos += b
         p = prev + 1 + (q << b) + r
-        if p >= n:
-            return ERR_INDEX_RANGE, pos
-        if pos > limit:
-            return ERR_INDEX_TRUNCATED, pos
+        if p >= n or pos > limit:
+            return _rice_problem(q, start, pos, limit, longest), pos
         out[o + j] = p
         prev = p
     return OK, pos
 
 
 @njit(cache=True, nogil=True)
+def _rice_problem(q, start, pos, limit, longest):
+    """A bad Rice code from bit start, with at least q zeros before its one (all of them
+    when the one is found) and ending at pos or later: a unary run too long (counting the
+    zeros inside the segment only), or else the code running past the segment, or else a
+    position outside the chunk."""
+    if min(q, limit - start) > longest:
+        return UNARY_TOO_LONG
+    if pos > limit:
+        return INDEX_TRUNCATED
+    return INDEX_RANGE
+
+
+@njit(cache=True, nogil=True)
 def _fixed_chunk(buf, pos, limit, n, k, out, o):
     """Decode k fixed-width positions (strictly increasing) of an n-element chunk."""
-    w = _fixed_width(n)
+    w = fixed_width(n)
     mask = np.uint64((1 << w) - 1)
     prev = -1
     for j in range(k):
         p = np.int64(_read_bits(buf, pos) & mask)
         pos += w
         if pos > limit:
-            return ERR_INDEX_TRUNCATED, pos
+            return INDEX_TRUNCATED, pos
         if p >= n:
-            return ERR_INDEX_RANGE, pos
+            return INDEX_RANGE, pos
         if p <= prev:
-            return ERR_INDEX_ORDER, pos
+            return INDEX_ORDER, pos
         out[o + j] = p
         prev = p
     return OK, pos
@@ -120,17 +189,14 @@ def _chunk_values(codes, cpos, k, hi, lo, lv, out_val, o):
 @njit(cache=True, nogil=True)
 def _to_flat(c, out_flat, o, k, rows, cols, tile, sh, row_tiles, col_tiles):
     """In-chunk positions out_flat[o:o+k] of chunk c -> flat indices in its tensor
-    (sh = log2(tile) when tile is a power of two, else -1)."""
-    n_tiles = row_tiles * col_tiles
-    if c < n_tiles and sh >= 0:
-        tr = c // col_tiles
-        base = tr * tile * cols + (c - tr * col_tiles) * tile
+    (sh = tile_shift(tile))."""
+    if c < row_tiles * col_tiles and sh >= 0:
+        base = tile_origin(c, cols, tile, col_tiles)
         for j in range(o, o + k):
-            p = out_flat[j]
-            out_flat[j] = base + (p >> sh) * cols + (p & (tile - 1))
+            out_flat[j] = in_tile(base, cols, tile, sh, out_flat[j])
     else:
         for j in range(o, o + k):
-            out_flat[j] = _flat(c, out_flat[j], rows, cols, tile, row_tiles, col_tiles)
+            out_flat[j] = flat_index(c, out_flat[j], rows, cols, tile, row_tiles, col_tiles)
 
 
 @njit(cache=True, nogil=True)
@@ -150,20 +216,16 @@ def _add_undoable(base, pos, val, k, w, a, log_addr, log_val, at):
     return at
 
 
-VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what decode_segments does with each chunk
-
-
 @njit(cache=True, nogil=True)
-def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off,
-                    seg_start, s0, s1, positions, out_flat, out_val, addrs, w, a, log_addr, log_val, n_log,
-                    applied, result):
-    """Decode segments [s0, s1) of a sparse frame, and per ``mode``:
+def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
+    """Decode segments [s0, s1) of a sparse frame (FrameArrays), and per ``mode``:
 
     - VALIDATE: check everything, and keep each kept element's in-chunk position in
       ``positions`` (uint16), so that the other modes need not decode the indices again;
     - MATERIALIZE: write flat indices (per tensor; out_flat is int32 or int64) and values;
     - APPLY: ``p_t[i] = p_t[i] + a * (w * v)`` in fp32 for every kept (i, v) of tensor t,
-      whose fp32 data starts at address addrs[t] (the frame must have been validated).
+      whose fp32 data starts at address addrs[t] (``into``: ApplyArrays; the frame must
+      have been validated).
       A chunk's cache lines are asked for before any of them is written, so the misses
       overlap;
     - CHECK_APPLY: check like VALIDATE (without keeping the positions), and APPLY each
@@ -175,25 +237,23 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
       ``applied[s]`` again, then put the logged values back: the parameters are bit for
       bit as before.
 
-    buf: the index section followed by INDEX_PAD readable bytes; offsets[s]: where segment s
-    starts in it (offsets[-1] == index_len). levels: fp32 (hi, lo) pairs; tab_off[t]:
-    tensor t's first pair. grid[t] = (rows, cols, row_tiles, col_tiles). seg_start[s] =
-    (tensor, chunk in tensor, first kept element, first code byte) of segment s. result =
-    (status, tensor, chunk, segment) of the first problem, status OK when there is none.
+    result = (status, tensor, chunk, segment) of the first problem, status OK when there
+    is none.
     """
+    fa, ap = FrameArrays(*frame), ApplyArrays(*into)
+    buf, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, tab_off, seg_start, positions = (
+        fa.buf, fa.offsets, fa.codes, fa.levels, fa.per_chunk, fa.fixed, fa.k_full, fa.tile, fa.grid, fa.tab_off,
+        fa.seg_start, fa.positions)
+    addrs, w, a, log_addr, log_val, n_log, applied = ap.addrs, ap.w, ap.a, ap.log_addr, ap.log_val, ap.n_log, ap.applied
     size = tile * tile
-    limit = index_len * 8
+    limit = fa.index_len * 8
     lv = np.empty(4, dtype=np.float32)
     scratch_pos = np.empty(size, dtype=np.int64)
     scratch_val = np.empty(size, dtype=np.float32)
     pend_pos = np.empty(size, dtype=np.int64)  # CHECK_APPLY: the chunk whose lines are on their way
     pend_val = np.empty(size, dtype=np.float32)
     pend_k = pend_base = 0
-    sh = -1
-    if tile & (tile - 1) == 0:
-        sh = 0
-        while (1 << sh) < tile:
-            sh += 1
+    sh = tile_shift(tile)
     for s in range(s0, s1):
         t, c, o, cpos = seg_start[s, 0], seg_start[s, 1], seg_start[s, 2], seg_start[s, 3]
         pos = offsets[s] * 8
@@ -201,15 +261,12 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
         done = 0
         while done < SEGMENT_CHUNKS and t < grid.shape[0]:
             rows, cols, row_tiles, col_tiles = grid[t, 0], grid[t, 1], grid[t, 2], grid[t, 3]
-            n_tiles = row_tiles * col_tiles
-            left = rows * cols - n_tiles * size
-            n_chunks = n_tiles + (left + size - 1) // size
-            if c >= n_chunks:
+            if c >= chunk_count(rows, cols, tile, row_tiles, col_tiles):
                 t += 1
                 c = 0
                 continue
-            n = size if c < n_chunks - 1 or left % size == 0 else left % size
-            k = _kept(n, k_full, size)
+            n = chunk_numel(c, rows, cols, tile, row_tiles, col_tiles)
+            k = kept_per_chunk(n, k_full, size)
             if mode == RESTORE and o + k > applied[s]:
                 break
             if mode in (MATERIALIZE, APPLY):  # validated: the positions are known
@@ -229,7 +286,7 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                     for j in range(k):
                         add_f32_at(base, scratch_pos[j], a * (w * scratch_val[j]))
                 o += k
-                cpos += (k + 3) // 4
+                cpos += code_bytes(k)
                 c += 1
                 done += 1
                 continue
@@ -239,13 +296,13 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 status, pos = _rice_chunk(buf, pos, end, n, k, scratch_pos, 0)
             if status == OK and pos & 7:  # the bits up to the next byte must be zero
                 if _read_bits(buf, pos) & np.uint64((1 << (8 - (pos & 7))) - 1):
-                    status = ERR_INDEX_PADDING
+                    status = INDEX_PADDING
                 pos = (pos + 7) & ~7
             if status == OK and pos > limit:
-                status = ERR_INDEX_TRUNCATED
+                status = INDEX_TRUNCATED
             ti = tab_off[t] + (2 * c if per_chunk else 0)
             if status == OK and not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0):
-                status = ERR_CODE_PADDING
+                status = CODE_PADDING
             if status != OK:
                 result[0], result[1], result[2], result[3] = status, t, c, s
                 return
@@ -267,7 +324,7 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 for j in range(k):
                     add_f32_at(addrs[t], scratch_pos[j], -(a * (w * scratch_val[j])))
             o += k
-            cpos += (k + 3) // 4
+            cpos += code_bytes(k)
             c += 1
             done += 1
         if mode == CHECK_APPLY:  # the segment's last chunk
@@ -280,7 +337,7 @@ def decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fix
                 store_f32_at(log_addr[i], 0, log_val[i])
             continue
         if mode in (VALIDATE, CHECK_APPLY) and pos != end:
-            result[0], result[1], result[2], result[3] = ERR_SEGMENT_END, t, c, s
+            result[0], result[1], result[2], result[3] = SEGMENT_END, t, c, s
             return
     result[0] = OK
 
@@ -320,10 +377,10 @@ def _index_tail(status, buf, pos, limit):
     section. Returns (status, bit position of the next chunk)."""
     if status == OK and pos & 7:
         if _read_bits(buf, pos) & np.uint64((1 << (8 - (pos & 7))) - 1):
-            status = ERR_INDEX_PADDING
+            status = INDEX_PADDING
         pos = (pos + 7) & ~7
     if status == OK and pos > limit:
-        status = ERR_INDEX_TRUNCATED
+        status = INDEX_TRUNCATED
     return status, pos
 
 
@@ -364,17 +421,29 @@ def _decode_pair(buf, pa, ea, pb, eb, limit, n, k, b, out_a, out_b):
 PREFETCH_AHEAD = 48  # kept elements between asking for a parameter's cache line and adding to it
 
 
+class SegmentWork(NamedTuple):
+    """A thread's room for two segments of SEGMENT_CHUNKS full chunks (``check_segments``)."""
+
+    dec_a: np.ndarray    # decoded in-chunk positions of the first segment ...
+    dec_b: np.ndarray    # ... and of the second
+    where: np.ndarray    # CHECK_APPLY: the parameter address of each kept element
+    vals: np.ndarray     # the values of the kept elements
+    lv: np.ndarray       # the four values of a chunk's 2-bit codes
+
+
 @njit(cache=True, nogil=True)
-def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
-                  tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems, where,
-                  vals, lv):
-    """What follows the index decoding of a segment of SEGMENT_CHUNKS full chunks: chunk by
+def _segment_rest(mode, fa, ap, work, s, outcome, end, dec, k, sh, problems):
+    """What follows the index decoding of segment s, of SEGMENT_CHUNKS full chunks: chunk by
     chunk the 2-bit code padding and values, VALIDATE keeping the positions; then
     CHECK_APPLY adds the chunks that checked out in, element by element, asking for each
     parameter's cache line PREFETCH_AHEAD elements ahead. The segment's problem, in the
     order the checks come one chunk after the other, goes to problems[s]. dec: the
-    decoded positions, k per chunk; status, done: how decoding went; where (int64) and
-    vals (fp32): room for the segment's kept elements."""
+    decoded positions, k per chunk; outcome: how decoding went (status, chunks decoded,
+    bit position after them)."""
+    status, done, pos = outcome
+    codes, levels, per_chunk, tile, grid, n_chunks, tab_off, seg_start, positions = (
+        fa.codes, fa.levels, fa.per_chunk, fa.tile, fa.grid, fa.n_chunks, fa.tab_off, fa.seg_start, fa.positions)
+    where, vals, lv = work.where, work.vals, work.lv
     t, c, o, cpos = seg_start[s, 0], seg_start[s, 1], seg_start[s, 2], seg_start[s, 3]
     for i in range(done + (status != OK)):
         while c >= n_chunks[t]:  # the next tensor's chunks (empty ones have none)
@@ -384,7 +453,7 @@ def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_ch
             break
         ti = tab_off[t] + (2 * c if per_chunk else 0)
         if not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, vals, i * k):
-            status = ERR_CODE_PADDING
+            status = CODE_PADDING
             break
         if mode == VALIDATE:
             for j in range(k):
@@ -394,15 +463,16 @@ def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_ch
                 where[i * k + j] = dec[i * k + j]
             _to_flat(c, where, i * k, k, grid[t, 0], grid[t, 1], tile, sh, grid[t, 2], grid[t, 3])
             for j in range(i * k, i * k + k):
-                where[j] = addrs[t] + 4 * where[j]
+                where[j] = ap.addrs[t] + 4 * where[j]
         o += k
-        cpos += (k + 3) // 4
+        cpos += code_bytes(k)
         c += 1
     if mode == CHECK_APPLY:
+        w, a, log_addr, log_val = ap.w, ap.a, ap.log_addr, ap.log_val
         m = o - seg_start[s, 2]  # the elements that checked out
         for j in range(min(m, PREFETCH_AHEAD)):
             prefetch_f32_at(where[j], 0)
-        at = seg_start[s, 2] + n_log[s]
+        at = seg_start[s, 2] + ap.n_log[s]
         for j in range(m):
             if j + PREFETCH_AHEAD < m:
                 prefetch_f32_at(where[j + PREFETCH_AHEAD], 0)
@@ -412,44 +482,38 @@ def _segment_rest(mode, s, status, done, pos, end, dec, k, codes, levels, per_ch
                 log_addr[at] = where[j]
                 log_val[at] = old
                 at += 1
-        n_log[s] = at - seg_start[s, 2]
-        applied[s] = o
+        ap.n_log[s] = at - seg_start[s, 2]
+        ap.applied[s] = o
     if status == OK and pos != end:
-        status = ERR_SEGMENT_END
+        status = SEGMENT_END
     if status != OK:
         problems[s, 0], problems[s, 1], problems[s, 2], problems[s, 3] = status, t, c, s
 
 
 @njit(cache=True, nogil=True)
-def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid, n_chunks,
-                   tab_off, seg_start, shared, wait, positions, addrs, w, a, log_addr, log_val, n_log, applied,
-                   problems):
-    """VALIDATE or CHECK_APPLY (see ``decode_segments``) over all segments, on as many
-    threads as call it: each takes the next two segments from shared[0] until none are
-    left, counting itself in shared[1] while it works; the call with wait set returns
+def check_segments(mode, frame, shared, wait, into, problems):
+    """VALIDATE or CHECK_APPLY (see ``decode_segments``) over all segments of a frame, on as
+    many threads as call it: each takes the next two segments from shared[0] until none
+    are left, counting itself in shared[1] while it works; the call with wait set returns
     only when no thread is at work any more (spinning, not sleeping: a thread that joins
     late finds nothing left and is never waited for). Two segments of SEGMENT_CHUNKS full
     chunks (the usual case) have their indices decoded side by side first
     (_decode_pair), then the rest chunk by chunk; others go through ``decode_segments``.
     problems[s] = (status, tensor, chunk, s) of segment s's first problem, status OK
     when it has none."""
+    fa, ap = FrameArrays(*frame), ApplyArrays(*into)
+    buf, offsets, fixed, tile, seg_start = fa.buf, fa.offsets, fa.fixed, fa.tile, fa.seg_start
     n_seg = seg_start.shape[0]
     size = tile * tile
-    k = _kept(size, k_full, size)
-    b = _rice_param(size, k)
-    limit = index_len * 8
-    dec_a = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
-    dec_b = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
-    where = np.empty(SEGMENT_CHUNKS * k, dtype=np.int64)
-    vals = np.empty(SEGMENT_CHUNKS * k, dtype=np.float32)
-    lv = np.empty(4, dtype=np.float32)
+    k = kept_per_chunk(size, fa.k_full, size)
+    b = rice_param(size, k)
+    limit = fa.index_len * 8
+    work = SegmentWork(np.empty(SEGMENT_CHUNKS * k, dtype=np.int64), np.empty(SEGMENT_CHUNKS * k, dtype=np.int64),
+                       np.empty(SEGMENT_CHUNKS * k, dtype=np.int64), np.empty(SEGMENT_CHUNKS * k, dtype=np.float32),
+                       np.empty(4, dtype=np.float32))
     no_flat = np.empty(0, dtype=np.int64)
     no_val = np.empty(0, dtype=np.float32)
-    sh = -1
-    if tile & (tile - 1) == 0:
-        sh = 0
-        while (1 << sh) < tile:
-            sh += 1
+    sh = tile_shift(tile)
     while True:
         fetch_add(shared, 1, 1)
         s = fetch_add(shared, 0, 2)
@@ -460,23 +524,18 @@ def check_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixe
         if pair:
             e_a, e_b = offsets[s + 1] * 8, offsets[s + 2] * 8
             if fixed:
-                st_a, d_a, p_a = _decode_run(buf, offsets[s] * 8, e_a, limit, size, k, b, True, SEGMENT_CHUNKS, dec_a, 0)
+                st_a, d_a, p_a = _decode_run(buf, offsets[s] * 8, e_a, limit, size, k, b, True, SEGMENT_CHUNKS,
+                                             work.dec_a, 0)
                 st_b, d_b, p_b = _decode_run(buf, offsets[s + 1] * 8, e_b, limit, size, k, b, True, SEGMENT_CHUNKS,
-                                             dec_b, 0)
+                                             work.dec_b, 0)
             else:
                 st_a, d_a, p_a, st_b, d_b, p_b = _decode_pair(buf, offsets[s] * 8, e_a, offsets[s + 1] * 8, e_b, limit,
-                                                              size, k, b, dec_a, dec_b)
-            _segment_rest(mode, s, st_a, d_a, p_a, e_a, dec_a, k, codes, levels, per_chunk, tile, sh, grid, n_chunks,
-                          tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied, problems,
-                          where, vals, lv)
-            _segment_rest(mode, s + 1, st_b, d_b, p_b, e_b, dec_b, k, codes, levels, per_chunk, tile, sh, grid,
-                          n_chunks, tab_off, seg_start, positions, addrs, w, a, log_addr, log_val, n_log, applied,
-                          problems, where, vals, lv)
+                                                              size, k, b, work.dec_a, work.dec_b)
+            _segment_rest(mode, fa, ap, work, s, (st_a, d_a, p_a), e_a, work.dec_a, k, sh, problems)
+            _segment_rest(mode, fa, ap, work, s + 1, (st_b, d_b, p_b), e_b, work.dec_b, k, sh, problems)
         else:
             for q in range(s, min(s + 2, n_seg)):
-                decode_segments(mode, buf, index_len, offsets, codes, levels, per_chunk, fixed, k_full, tile, grid,
-                                tab_off, seg_start, q, q + 1, positions, no_flat, no_val, addrs, w, a, log_addr,
-                                log_val, n_log, applied, problems[q])
+                decode_segments(mode, frame, q, q + 1, no_flat, no_val, into, problems[q])
         fetch_add(shared, 1, -1)
     while wait and load_acquire(shared, 1) != 0:
         pass
@@ -491,10 +550,6 @@ def wait_flag(flag, polls):
         if v != 0:
             return v
     return 0
-
-
-# prepare() status codes (0 = ok); frame.py turns them into FrameError messages
-OFFSETS_START, OFFSETS_BEYOND, OFFSETS_BACK, LEVELS_BAD, LEVELS_ORDER = 1, 2, 3, 4, 5
 
 
 @njit(cache=True, nogil=True)
@@ -531,33 +586,8 @@ def prepare(table, offsets_raw, index_len, levels, offsets):
     return order, 0, 0, 0
 
 
-def segment_starts(grid: np.ndarray, k_full: int, tile: int) -> np.ndarray:
-    """seg_start rows (tensor, chunk, first kept element, first code byte, number of
-    full-size chunks: SEGMENT_CHUNKS when all are) for every segment of a layout, from its
-    chunk grid alone."""
-    size = tile * tile
-    starts = []
-    chunk = kept = code = 0
-    for t, (rows, cols, row_tiles, col_tiles) in enumerate(grid.tolist()):
-        n_tiles = row_tiles * col_tiles
-        left = rows * cols - n_tiles * size
-        n_chunks = n_tiles + -(-left // size)
-        for c in range(n_chunks):
-            if chunk % SEGMENT_CHUNKS == 0:
-                starts.append([t, c, kept, code, 0])
-            n = size if c < n_chunks - 1 or left % size == 0 else left % size
-            starts[-1][4] += n == size
-            k = min(n, (k_full * n + size - 1) // size)
-            kept += k
-            code += (k + 3) // 4
-            chunk += 1
-    out = np.array(starts, dtype=np.int64).reshape(-1, 5)
-    out.setflags(write=False)
-    return out
-
-
-def segment_offsets(chunk_index_bytes: np.ndarray) -> np.ndarray:
-    """Where each segment's index bytes start, from the index bytes of every chunk in frame
-    order; one entry per segment plus the total."""
-    ends = np.concatenate([[0], np.cumsum(chunk_index_bytes, dtype=np.int64)])
-    return np.concatenate([ends[:-1][::SEGMENT_CHUNKS], ends[-1:]])
+@njit(cache=True, nogil=True)
+def scatter_add(p, idx, step, start, stop):
+    """p[idx[j]] += step[j] for j in [start, stop) (fp32; indices unique)."""
+    for j in range(start, stop):
+        p[idx[j]] += step[j]

@@ -1,0 +1,276 @@
+"""Runs the segment decoder (``decode_kernels``) over a sparse frame on the codec threads:
+check it, decode it, add it into fp32 CPU parameters, or check and add it in one pass and
+put everything back when it turns out bad (docs/codec.md, "Validate and apply in one pass").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..format import (
+    CRC_BYTES,
+    CRC_MISMATCH,
+    HEADER_BYTES,
+    OK,
+    FrameError,
+    SparseSections,
+    crc_matches,
+    index_error,
+    table_error,
+)
+from ..layout import FrameGeometry, Layout
+from .decode_kernels import (
+    APPLY,
+    CHECK_APPLY,
+    INDEX_PAD,
+    MATERIALIZE,
+    RESTORE,
+    VALIDATE,
+    ApplyArrays,
+    FrameArrays,
+    check_segments,
+    decode_segments,
+    prepare,
+    scatter_add,
+    wait_flag,
+)
+from .threadpool import pieces, run_tasks, submit
+
+SEGMENTS_PER_TASK = 8  # decoding work handed to a thread at a time (8 x 64 chunks)
+SCATTER_PIECE = 1 << 16  # kept elements per task of the multi-frame scatter
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+NO_APPLY = ApplyArrays(_EMPTY_I64, np.float32(1), np.float32(1), _EMPTY_I64, _EMPTY_F32, _EMPTY_I64, _EMPTY_I64)
+_NO_APPLY = tuple(NO_APPLY)  # as the kernels take it
+
+
+class NumbaBody:
+    """A checked sparse frame: its sections as the kernels read them."""
+
+    def __init__(self, fa: FrameArrays, geometry: FrameGeometry) -> None:
+        self.fa = fa
+        self._fa = tuple(fa)  # as the kernels take it
+        self.geometry = geometry
+        self.kept = geometry.kept
+        self.ready = False  # VALIDATE has filled fa.positions (CHECK_APPLY does not)
+
+    def materialize(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        flat = np.empty(self.kept, dtype=self.geometry.index_dtype)
+        vals = np.empty(self.kept, dtype=np.float32)
+        self._run(MATERIALIZE, flat, vals)
+        flat_t, vals_t = torch.from_numpy(flat).long(), torch.from_numpy(vals)
+        bounds = self.geometry.kept_off.tolist()
+        return ([flat_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)],
+                [vals_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
+
+    def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
+        addrs = cpu_addresses(self.geometry.layout, params)
+        if addrs is None:
+            return False
+        with torch.no_grad():  # params stay alive (held by the caller) while the kernel writes
+            self._run(APPLY, ap=tuple(NO_APPLY._replace(addrs=addrs, w=np.float32(weight), a=np.float32(alpha))))
+        return True
+
+    def _run(self, mode: int, out_flat=_EMPTY_I64, out_val=_EMPTY_F32, ap: tuple = _NO_APPLY) -> None:
+        """MATERIALIZE, APPLY or RESTORE over all segments, in pieces on the codec threads
+        (ap: ApplyArrays as a tuple)."""
+        if mode != RESTORE and not self.ready and self.check(VALIDATE) is not None:  # checked by CHECK_APPLY
+            raise AssertionError("validating a checked frame failed")
+        ranges = pieces(len(self.fa.seg_start), SEGMENTS_PER_TASK) if len(self.fa.seg_start) else []
+        results = np.zeros((len(ranges), 4), dtype=np.int64)
+
+        def task(i: int, s0: int, s1: int):
+            def run() -> None:
+                decode_segments(mode, self._fa, s0, s1, out_flat, out_val, ap, results[i])
+            return run
+
+        run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
+        if (results[:, 0] != OK).any():  # checked already: cannot happen
+            raise AssertionError(f"decoding a checked frame failed: {results}")
+
+    def check(self, mode: int, ap: tuple = _NO_APPLY, helper: _Helper | None = None) -> tuple | None:
+        """VALIDATE or CHECK_APPLY: ``check_segments`` on this thread and on the pool's,
+        sharing out the segments; this thread's call returns once every segment is done,
+        without waiting for a pool thread that had nothing left to do. helper: a waiting
+        pool thread to take one thread's share; ap: ApplyArrays as a tuple. Returns the first segment's problem
+        (status, tensor, chunk, segment), or None."""
+        n_threads = max(1, min(torch.get_num_threads(), -(-len(self.fa.seg_start) // 2)))
+        problems = np.zeros((len(self.fa.seg_start), 4), dtype=np.int64)
+        shared = np.zeros(2, dtype=np.int64)  # next segment, threads at work
+
+        def task(wait: bool) -> None:
+            check_segments(mode, self._fa, shared, wait, ap, problems)
+
+        others = n_threads - 1
+        if others and helper is not None and helper.hand(lambda: task(False)):
+            others -= 1
+        for _ in range(others):
+            submit(lambda: task(False), n_threads)
+        task(True)
+        if mode == VALIDATE:
+            self.ready = True
+        bad = np.flatnonzero(problems[:, 0] != OK)
+        return tuple(int(x) for x in problems[bad[0]]) if len(bad) else None
+
+
+class ApplyTarget:
+    """fp32 CPU parameters to add a frame into while it is checked (``ApplyInto``), and the
+    pool thread that checks the checksum meanwhile."""
+
+    def __init__(self, data: bytes, addrs: np.ndarray, weight: float, alpha: float) -> None:
+        self.data = data
+        self.addrs, self.w, self.a = addrs, np.float32(weight), np.float32(alpha)
+        long_enough = len(data) >= HEADER_BYTES + CRC_BYTES
+        self.helper = _Helper(data, torch.get_num_threads()) if long_enough else None
+
+    def checksum_ok(self) -> bool:
+        return self.helper.result() if self.helper is not None else crc_matches(self.data)
+
+    def release(self) -> None:
+        if self.helper is not None:
+            self.helper.release()
+
+
+class _Helper:
+    """A pool thread taken at the top of ``decode_apply``: it checks the frame's checksum
+    while the caller reads the frame, then waits (spinning outside the GIL, for about a
+    millisecond at most) to be handed its share of the checking and adding, so that
+    neither its wake-up nor the checksum is on the way. ``result`` is the checksum's
+    verdict (computed here if the helper has not got to it)."""
+
+    GO, STOP = 1, 2
+    POLLS = 2_000_000
+
+    def __init__(self, data: bytes, n_threads: int) -> None:
+        self.data = data
+        self.ok: bool | None = None
+        self.flag = np.zeros(1, dtype=np.int64)
+        self.work = None
+        self.running = n_threads > 1
+        if self.running:
+            submit(self._run, n_threads)
+
+    def _run(self) -> None:
+        self.compute()
+        if wait_flag(self.flag, self.POLLS) == self.GO and self.work is not None:
+            self.work()
+
+    def compute(self) -> None:
+        if self.ok is None:
+            self.ok = crc_matches(self.data)
+
+    def result(self) -> bool:
+        self.compute()
+        return bool(self.ok)
+
+    def hand(self, work) -> bool:
+        """Give the helper work (False when there is no helper thread)."""
+        if not self.running:
+            return False
+        self.work = work
+        self.flag[0] = self.GO
+        return True
+
+    def release(self) -> None:
+        if self.flag[0] == 0:
+            self.flag[0] = self.STOP
+
+
+def decode(sections: SparseSections, into: ApplyTarget | None = None) -> NumbaBody:
+    """Check (and with ``into``, add in) a sparse frame; FrameError on the first problem,
+    with the params then as they were."""
+    geo = sections.geometry
+    body = NumbaBody(frame_arrays(sections), geo)
+    if into is None:
+        problem = body.check(VALIDATE)
+    else:
+        n_seg = len(geo.seg_start)
+        ap = (into.addrs, into.w, into.a, *_log_buffers(geo.kept), np.zeros(n_seg, dtype=np.int64),
+              geo.seg_start[:, 2].copy())  # ApplyArrays, nothing applied yet
+        problem = body.check(CHECK_APPLY, ap, into.helper)
+        if problem is not None or not into.checksum_ok():
+            body._run(RESTORE, ap=ap)
+            if problem is None:
+                raise FrameError(CRC_MISMATCH)
+    if problem is not None:
+        raise index_error(geo, *problem)
+    return body
+
+
+def frame_arrays(sections: SparseSections) -> FrameArrays:
+    """The sections as the kernels read them, after ``prepare``'s checks of the table and
+    the offsets (raised as FrameError)."""
+    geo = sections.geometry
+    offsets = np.empty(len(geo.seg_start) + 1, dtype=np.int64)
+    levels = np.empty(len(sections.table) // 2, dtype=np.float32)
+    status, s, v, w = prepare(np.frombuffer(sections.table, np.uint8), np.frombuffer(sections.offsets, np.uint8),
+                              len(sections.index), levels, offsets)
+    if status != OK:
+        raise table_error(status, s, v, w)
+    return FrameArrays(_index_buffer(sections), len(sections.index), offsets, np.frombuffer(sections.codes, np.uint8),
+                       levels, geo.per_chunk, geo.fixed, geo.k_full, geo.tile, geo.grid, geo.n_chunks, geo.tab_off,
+                       geo.seg_start, np.empty(geo.kept, dtype=np.uint16))
+
+
+def _index_buffer(sections: SparseSections) -> np.ndarray:
+    """The index section as the kernels read it, followed by INDEX_PAD readable bytes
+    (their 64-bit loads may reach past the last code; bits past the section are never
+    used but to report a problem). A raw section is read in place: the offsets section
+    and the checksum follow it in the frame. A decompressed one is copied, zeros after it."""
+    data, n, at = sections.data, len(sections.index), sections.index_at
+    if at >= 0 and at + n + INDEX_PAD <= len(data):
+        return np.frombuffer(data, np.uint8, count=n + INDEX_PAD, offset=at)
+    buf = np.zeros(n + INDEX_PAD, dtype=np.uint8)
+    buf[:n] = np.frombuffer(sections.index, np.uint8)
+    buf.setflags(write=False)  # one array type for the kernels either way
+    return buf
+
+
+_local = threading.local()
+
+
+def _log_buffers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-thread room for n entries of CHECK_APPLY's log (addresses, old values), kept
+    between calls; rarely written, so mostly never touched."""
+    bufs = getattr(_local, "log", None)
+    if bufs is None or len(bufs[0]) < n:
+        bufs = _local.log = (np.empty(max(n, 1024), dtype=np.int64), np.empty(max(n, 1024), dtype=np.float32))
+    return bufs[0][:n], bufs[1][:n]
+
+
+def cpu_addresses(layout: Layout, params: Sequence[torch.Tensor]) -> np.ndarray | None:
+    """Data addresses of fp32 contiguous CPU params for the kernels, or None when a param
+    does not qualify."""
+    addrs = []
+    f32 = torch.float32
+    for spec, p in zip(layout.specs, params, strict=False):  # the cheapest tensor attributes there are
+        if p.shape != spec.shape:
+            raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
+        if not (p.is_cpu and p.dtype is f32 and p.is_contiguous()):
+            return None
+        addrs.append(p.data_ptr())
+    return np.array(addrs, dtype=np.int64)
+
+
+def add_at(updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """``p.view(-1)[idx] += step``: CPU params on the codec threads, others with torch."""
+    tasks = []
+    for p, idx, step in updates:
+        if p.is_cpu:
+            arr, ia, sa = p.detach().view(-1).numpy(), idx.numpy(), step.numpy()
+            tasks += [_scatter_task(arr, ia, sa, a, b) for a, b in pieces(len(idx), SCATTER_PIECE)]
+        else:
+            p.view(-1).index_add_(0, idx, step)
+    if tasks:
+        run_tasks(tasks, torch.get_num_threads())
+
+
+def _scatter_task(arr, idx, step, a: int, b: int):
+    def run() -> None:
+        scatter_add(arr, idx, step, a, b)
+    return run
