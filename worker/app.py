@@ -71,12 +71,14 @@ class WorkerThread:
     """A worker of this process, on a thread of its own: ``start()``, then ``wait()`` for the
     run to finish or ``stop()`` it; ``exit_code`` as ``geoloco worker`` would exit (and
     ``error``, the exception that failed it). ``inner_step`` replaces the inner training step
-    (geoloco.worker.trainer.InnerStep)."""
+    (geoloco.worker.trainer.InnerStep). ``tls``: as ``geoloco worker``'s (TLS unless the
+    coordinator is on loopback or ``tls.insecure``)."""
 
     def __init__(self, coordinator: str, token: str, device: str = "auto", precision: str = "auto",
                  connect_timeout_s: float = 60.0, report_dir: str | Path | None = None,
-                 inner_step: InnerStep | None = None) -> None:
-        self.session = Session(coordinator, token, connect_timeout_s)
+                 inner_step: InnerStep | None = None, tls: TlsConfig | None = None) -> None:
+        self.session = Session(coordinator, token, connect_timeout_s,
+                               security=channel_security(tls or TlsConfig(), coordinator))
         self.worker = Worker(self.session, device, Path(report_dir) if report_dir else None,
                              precision=precision, inner_step=inner_step)
         self.exit_code: int | None = None
