@@ -38,6 +38,8 @@ from geoloco.compression import (
 )
 from geoloco.compression.format import HEADER_BYTES
 
+_ROUND_AT, _SENDER_AT = 24, 32  # offsets of round (u64) and sender (u32) in the header (docs/codec.md)
+
 FUZZ_SPECS = [
     TensorSpec("emb", (96, 64), torch.float32),
     TensorSpec("w", (70, 130), torch.float32),
@@ -68,6 +70,16 @@ def repair(data: bytearray) -> bytearray:
         struct.pack_into("<Q", data, HEADER_BYTES - 8, len(data) - HEADER_BYTES - 4)
         struct.pack_into("<I", data, len(data) - 4, zlib.crc32(bytes(data[:-4])))
     return data
+
+
+def stamped(frame: bytes, round_: int, sender: int) -> bytes:
+    """``frame`` with its round and sender rewritten and the checksum fixed (a frame for
+    another round or worker without encoding it again)."""
+    d = bytearray(frame)
+    struct.pack_into("<Q", d, _ROUND_AT, round_)
+    struct.pack_into("<I", d, _SENDER_AT, sender)
+    struct.pack_into("<I", d, len(d) - 4, zlib.crc32(bytes(d[:-4])))
+    return bytes(d)
 
 
 def mutate(rng: random.Random, frame: bytes, frames: list[bytes]) -> bytes:

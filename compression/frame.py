@@ -47,6 +47,7 @@ class Frame:
         self.body = body
         self._indices: list[torch.Tensor] | None = None
         self._values: list[torch.Tensor] | None = None
+        self._magnitudes: tuple[float, float] | None = None
 
     @property
     def indices(self) -> list[torch.Tensor] | None:
@@ -63,6 +64,19 @@ class Frame:
     @property
     def kept(self) -> int:
         return self.layout.numel if self.kind == "dense" else self.body.kept
+
+    def magnitudes(self) -> tuple[float, float]:
+        """(L2 norm, largest absolute value) of the frame's values, summed in float64; a
+        sparse frame's values are decoded for it and not kept. Cached."""
+        if self._magnitudes is None:
+            if self.kind == "dense":
+                values = self.dense
+            else:
+                values = self._values if self._values is not None else self.body.materialize()[1]
+            squares = sum(float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values)
+            largest = max((max(float(v.max()), -float(v.min())) for v in values if v.numel()), default=0.0)
+            self._magnitudes = (squares ** 0.5, largest)
+        return self._magnitudes
 
     def to_dense(self, device=None) -> list[torch.Tensor]:
         out = []

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from geoloco import transport
 from geoloco.compression import Layout, on_huge_pages
-from geoloco.config import ConfigError, RunConfig
+from geoloco.config import ConfigError, RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
+from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import RunTotals, write_text_atomic
 from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
@@ -34,6 +35,7 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.tasks import build_task
+from geoloco.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ METRICS_PORT_FILE = "metrics.port"
 CONFIG_FILE = "config.json"
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
+SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -53,6 +56,8 @@ class Coordinator:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
         check_aggregation(cfg)
+        token = require_token(cfg)
+        self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -61,7 +66,7 @@ class Coordinator:
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
-        registry = WorkerRegistry(cfg.workers, cfg.coordinator.token)
+        registry = WorkerRegistry(cfg.workers, token)
         start_round, totals = 0, RunTotals()
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
@@ -84,14 +89,9 @@ class Coordinator:
         """Bind, serve and start the round loop; returns the bound port."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
-        self._server = self._build_server()
+        servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
+        self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen
-        try:
-            self.port = self._server.add_insecure_port(listen)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
-                          "coordinator running there? pick a free port, or port 0") from None
-        self._server.start()
         self._serve_metrics()
         write_text_atomic(self.run_dir / PORT_FILE, f"{self.port}\n")
         log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
@@ -112,19 +112,6 @@ class Coordinator:
         self.metrics_server = MetricsServer(self.prometheus.registry, mon.metrics_host, mon.metrics_port)
         write_text_atomic(self.run_dir / METRICS_PORT_FILE, f"{self.metrics_server.port}\n")
         log.info("metrics on http://%s:%d/metrics", mon.metrics_host, self.metrics_server.port)
-
-    def _build_server(self) -> grpc.Server:
-        threads = 3 * self.cfg.workers + 8  # Push + Rounds + FetchState per worker, health
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
-            options=transport.SERVER_OPTIONS,
-        )
-        servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
-        geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        for name in ("", SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return server
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the run is over (all rounds done, or stopped)."""
@@ -171,6 +158,31 @@ class Coordinator:
     @property
     def totals(self) -> RunTotals:
         return self.state.totals
+
+
+def serve(cfg: RunConfig, servicer: CoordinatorServicer, health_servicer: health.HealthServicer,
+          credentials: grpc.ServerCredentials | None) -> tuple[grpc.Server, int]:
+    """The started gRPC server of ``servicer`` and the health service on
+    ``coordinator.listen`` (TLS with ``credentials``), and its port. The pool has a thread
+    for every worker's slots of every RPC and spares, so no caller starves health checks."""
+    threads = cfg.workers * len(RPCS) * STREAMS_PER_WORKER + SPARE_THREADS
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
+                         options=transport.SERVER_OPTIONS)
+    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    listen = cfg.coordinator.listen
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on coordinator.listen {listen!r} ({exc}); is another "
+                      "coordinator running there? pick a free port, or port 0") from None
+    server.start()
+    return server, port
 
 
 def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:

@@ -35,7 +35,7 @@ class Checkpoint:
     round: int  # the next round to open; the parameters are those at its start
     params: dict[str, Tensor]
     outer_state: dict[str, Any]
-    workers: dict[int, dict[str, Any]]  # worker id -> {"session": ..., "hostname": ...}
+    workers: dict[int, dict[str, Any]]  # worker id -> {"session_sha256": ..., "hostname": ...}
     layout_digest: bytes
     totals: dict[str, Any] = field(default_factory=dict)  # run figures summary.json needs
     # the model's tensors outside the layout (frozen parameters, integer buffers), so that

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint
+from geoloco.coordinator.bounds import FrameBounds
 from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RoundTiming, round_metrics
 from geoloco.coordinator.outer import OuterOptimizer, Update
 from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
@@ -54,6 +55,7 @@ class RoundLoop:
         self.run_dir = Path(run_dir)
         self.metrics = MetricsWriter(self.run_dir)
         self.observers: list[RoundObserver] = []
+        self.bounds = FrameBounds(cfg.guard, state.params)
         self.failed = False
         self.done = threading.Event()
         self._started_at = time.monotonic()
@@ -81,7 +83,12 @@ class RoundLoop:
         rs = self.state.wait_for_close(self.policy)
         if rs is None:
             return  # stopping
+        verdict = self.bounds.bound_round(rs, self.policy)
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
+        if not self.bounds.safe(update):
+            log.error("round %d: the update of workers %s could make parameters non-finite; "
+                      "committing no change", rs.round, [f.sender for f in update.frames])
+            update = Update([], "sum", 1.0)
         closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
@@ -89,7 +96,7 @@ class RoundLoop:
             self.state.apply(update, closed)
         timing.applied_at = time.monotonic()
         val = self.task.val_loss(self.model) if self.val_due(rs.round + 1) else None
-        self.record(rs, closed, timing, val)
+        self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
 
     def measure_initial_loss(self) -> None:
@@ -111,11 +118,12 @@ class RoundLoop:
         return bool(every) and next_round % every == 0
 
     def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,
-               val: float | None) -> None:
+               val: float | None, median_norm: float | None = None) -> None:
         """The round's line in metrics.jsonl, the run totals, one log line."""
         inner = self.cfg.inner
         lr = lr_at(inner, rs.round * inner.steps, self.cfg.rounds * inner.steps)
         m = round_metrics(rs, closed, timing, val, lr)
+        m.median_frame_norm = median_norm
         self.state.totals.add(m, max(self.state.live_count(), 1))
         self.metrics.write_round(m)
         for observer in self.observers:
@@ -187,7 +195,7 @@ def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:
         frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
                 for f in update.frames],
     )
-    return ClosedRound(header, b"".join(f.data for f in update.frames))
+    return ClosedRound(header, tuple(f.data for f in update.frames))
 
 
 def _fmt(value: float | None) -> str:

@@ -40,7 +40,7 @@ class RoundMetrics:
     encode_seconds: float | None = None  # mean compression time of the arrived frames
     encode_seconds_max: float | None = None
     worker_apply_seconds_max: float | None = None  # slowest apply of the previous result
-    close_seconds: float | None = None  # last arrival -> broadcast (the coordinator's share)
+    close_seconds: float | None = None  # last frame's bytes in -> broadcast (the coordinator's share)
     coordinator_apply_seconds: float | None = None  # apply + digest, after the broadcast
     decode_seconds: float | None = None  # mean check-and-decode time of the arrived frames
     decode_seconds_by_worker: dict[int, float] = field(default_factory=dict)
@@ -55,6 +55,11 @@ class RoundMetrics:
     lr: float | None = None  # the inner learning rate at the round's first inner step
     time: float | None = None  # wall clock (Unix seconds) at the broadcast
     elapsed_seconds: float | None = None  # since the run started (a resume carries it on)
+    # Frames refused (bad header, bad frame, above the bounds; not late) and frames scaled
+    # down by the bounds, per worker (geoloco.coordinator.bounds); the bounds' reference.
+    rejected_by_worker: dict[int, int] = field(default_factory=dict)
+    clipped_by_worker: dict[int, int] = field(default_factory=dict)
+    median_frame_norm: float | None = None
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -66,7 +71,8 @@ class RoundMetrics:
         data["upload_bytes"] = {str(k): v for k, v in self.upload_bytes.items()}
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
         for name in ("partitions_trained", "decode_seconds_by_worker", "compute_seconds_by_worker",
-                     "send_seconds_by_worker", "wait_seconds_by_worker"):
+                     "send_seconds_by_worker", "wait_seconds_by_worker", "rejected_by_worker",
+                     "clipped_by_worker"):
             data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
@@ -102,7 +108,7 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         arrived=sorted(rs.arrivals), chosen=sorted(rs.decision.coefficients),
         close_reason=rs.decision.reason,
         upload_bytes={a.worker: len(a.data) for a in arrivals},
-        download_bytes_per_worker=closed.header.ByteSize() + len(closed.data),
+        download_bytes_per_worker=closed.header.ByteSize() + closed.nbytes,
         round_seconds=seconds,
         compute_seconds=_mean(computes),
         wait_seconds=_mean([seconds - c for c in computes]),
@@ -121,6 +127,7 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         wait_seconds_by_worker={w: max(0.0, seconds - t) for w, t in arrived_after.items()},
         max_coefficient=max((abs(a) for a in rs.decision.coefficients.values()), default=None),
         lr=lr, time=timing.wall_time, elapsed_seconds=timing.elapsed_seconds,
+        rejected_by_worker=dict(rs.rejected_by), clipped_by_worker=dict(rs.clipped_by),
     )
 
 
@@ -145,6 +152,8 @@ class RunTotals:
     partitions_trained: int = 0  # over the arrived frames: sum of partitions each trained
     partition_reports: int = 0  # ... and how many frames reported them
     wall_seconds: float = 0.0
+    rejected_by_worker: dict[int, int] = field(default_factory=dict)
+    clipped_by_worker: dict[int, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add(self, m: RoundMetrics, n_receivers: int) -> None:
@@ -159,6 +168,10 @@ class RunTotals:
         self.late_frames += m.late_frames
         self.partitions_trained += sum(m.partitions_trained.values())
         self.partition_reports += len(m.partitions_trained)
+        for mine, theirs in ((self.rejected_by_worker, m.rejected_by_worker),
+                             (self.clipped_by_worker, m.clipped_by_worker)):
+            for worker, count in theirs.items():
+                mine[worker] = mine.get(worker, 0) + count
 
     def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
         up = self.upload_bytes / self.uploads if self.uploads else None
@@ -179,6 +192,8 @@ class RunTotals:
             "partitions_per_worker_round": (self.partitions_trained / self.partition_reports
                                             if self.partition_reports else None),
             "wall_seconds": self.wall_seconds,
+            "rejected_by_worker": {str(k): v for k, v in sorted(self.rejected_by_worker.items())},
+            "clipped_by_worker": {str(k): v for k, v in sorted(self.clipped_by_worker.items())},
             **self.extra,
         })
 

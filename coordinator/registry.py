@@ -1,11 +1,13 @@
-"""The coordinator's worker registry: token check at Join, ids and session secrets, reclaim
-after a reconnect or a coordinator restart (docs/protocol.md, "A worker's life")."""
+"""The coordinator's worker registry: token check at Join, ids and session secrets (kept
+only as hashes, and bound to the certificate a worker joined with), reclaim after a
+reconnect or a coordinator restart (docs/protocol.md, "A worker's life")."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -17,17 +19,24 @@ class RegistryError(Exception):
         self.code = code
 
 
+def session_hash(session: str) -> str:
+    return hashlib.sha256(session.encode()).hexdigest()
+
+
 @dataclass
 class WorkerRecord:
     worker_id: int
-    session: str
+    session_hash: str  # sha256 of the session secret; the secret itself is not kept
     hostname: str = ""
     device: str = ""
     live: bool = False  # joined (or reclaimed) since this coordinator process started
     state_fetches: int = 0
+    cert: str | None = None  # sha256 of the certificate it joined with (mutual TLS)
+    session: str = field(default="", repr=False)  # the secret, only for the Join reply
 
     def to_dict(self) -> dict[str, Any]:
-        return {"session": self.session, "hostname": self.hostname, "device": self.device}
+        return {"session_sha256": self.session_hash, "cert_sha256": self.cert,
+                "hostname": self.hostname, "device": self.device}
 
 
 class WorkerRegistry:
@@ -39,8 +48,9 @@ class WorkerRegistry:
         self.records: dict[int, WorkerRecord] = {}
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str) -> WorkerRecord:
-        """Check the token, then reclaim the given id or hand out the lowest free one."""
+             reclaim_session: str, cert: str | None = None) -> WorkerRecord:
+        """Check the token, then reclaim the given id or hand out the lowest free one;
+        ``cert``: the caller's certificate, which the id's later calls must present too."""
         if not hmac.compare_digest(token.encode(), self._token):
             raise RegistryError(
                 "PERMISSION_DENIED",
@@ -48,24 +58,33 @@ class WorkerRegistry:
                 "start the worker with the coordinator's token",
             )
         if reclaim_id is not None:
-            record = self.authenticate(reclaim_id, reclaim_session)
+            record = self.authenticate(reclaim_id, reclaim_session, cert)
+            record.session = reclaim_session
         else:
             record = self._new_record()
         record.hostname, record.device, record.live = hostname, device, True
+        record.cert = record.cert or cert
         return record
 
-    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
-        """The record of ``worker_id`` if ``session`` is its secret, else RegistryError."""
+    def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
+        """The record of ``worker_id`` if ``session`` is its secret and, once the worker
+        joined with a certificate, ``cert`` is that certificate; else RegistryError."""
         record = self.records.get(worker_id)
         if record is None:
             raise RegistryError(
                 "UNAUTHENTICATED",
                 f"unknown worker {worker_id}: join first (known ids: {sorted(self.records)})",
             )
-        if not hmac.compare_digest(session.encode(), record.session.encode()):
+        if not hmac.compare_digest(session_hash(session), record.session_hash):
             raise RegistryError(
                 "UNAUTHENTICATED",
                 f"bad session for worker {worker_id}: join again without reclaim_worker_id",
+            )
+        if record.cert is not None and cert != record.cert:
+            raise RegistryError(
+                "UNAUTHENTICATED",
+                f"the session of worker {worker_id} was presented over another certificate than "
+                "the one it joined with",
             )
         return record
 
@@ -77,7 +96,8 @@ class WorkerRegistry:
                 f"all {self.n} worker slots are taken; a restarted worker must reclaim its id "
                 "(reclaim_worker_id + reclaim_session), or raise `workers` in the run config",
             )
-        record = WorkerRecord(free[0], secrets.token_hex(16))
+        session = secrets.token_hex(16)
+        record = WorkerRecord(free[0], session_hash(session), session=session)
         self.records[record.worker_id] = record
         return record
 
@@ -89,8 +109,10 @@ class WorkerRegistry:
         return {i: r.to_dict() for i, r in self.records.items()}
 
     def load_dict(self, data: dict[int, dict[str, Any]]) -> None:
-        """Restore ids and sessions from a checkpoint; nobody is live until they reclaim."""
+        """Restore ids, session hashes and certificates from a checkpoint (an older one
+        with the sessions in clear is hashed); nobody is live until they reclaim."""
         self.records = {
-            int(i): WorkerRecord(int(i), d["session"], d.get("hostname", ""), d.get("device", ""))
+            int(i): WorkerRecord(int(i), d.get("session_sha256") or session_hash(d["session"]),
+                                 d.get("hostname", ""), d.get("device", ""), cert=d.get("cert_sha256"))
             for i, d in data.items()
         }

@@ -30,6 +30,8 @@ class Arrival:
     apply_seconds: float = 0.0  # the worker's time to apply the previous round result
     decode_seconds: float = 0.0  # the coordinator's time to check and decode the frame
     received_at: float = field(default_factory=time.monotonic)
+    norm: float = 0.0  # L2 norm of the frame's values (geoloco.coordinator.bounds)
+    max_abs: float = 0.0  # its largest absolute value
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,8 @@ class RoundState:
         self.decision: Decision | None = None
         self.rejected = 0
         self.late = 0
+        self.rejected_by: dict[int, int] = {}  # worker -> its frames refused (not late)
+        self.clipped_by: dict[int, int] = {}  # worker -> its frames scaled down at close
 
     def open(self) -> None:
         """Start the deadline clock (pushes are accepted before it, e.g. while joining)."""
@@ -131,13 +135,33 @@ class RoundState:
         self.check_push(arrival.worker, arrival.frame.round)
         self.arrivals[arrival.worker] = arrival
 
-    def count_refused(self, round: int | None = None) -> None:
+    def count_refused(self, round: int | None = None, worker: int | None = None) -> None:
         """Count a refused frame for ``round``: late if that round has closed, else
-        rejected (``None``: a push too broken to name its round)."""
+        rejected (``None``: a push too broken to name its round), by ``worker`` if known."""
         if round is not None and (round < self.round or (round == self.round and self.closed)):
             self.late += 1
         else:
             self.rejected += 1
+            if worker is not None:
+                self.rejected_by[worker] = self.rejected_by.get(worker, 0) + 1
+
+    def bound(self, rejected: set[int], scale: dict[int, float], policy: ClosePolicy) -> None:
+        """After the close: drop the ``rejected`` arrivals (the policy decides again on the
+        rest, as at a deadline) and multiply the coefficients of ``scale``'s workers."""
+        decision = self.decision
+        if rejected:
+            for worker in rejected:
+                self.rejected_by[worker] = self.rejected_by.get(worker, 0) + 1
+            self.rejected += len(rejected)
+            kept = sorted(set(self.arrivals) - rejected)
+            decision = policy.decide(kept, True)
+            decision = Decision(decision.coefficients, decision.covered, decision.reason + ", bounded")
+        if scale:
+            for worker in scale:
+                self.clipped_by[worker] = self.clipped_by.get(worker, 0) + 1
+            coefficients = {i: a * scale.get(i, 1.0) for i, a in decision.coefficients.items()}
+            decision = Decision(coefficients, decision.covered, decision.reason)
+        self.decision = decision
 
     def try_close(self, policy: ClosePolicy) -> Decision | None:
         """Ask the policy; on a decision the round is closed and keeps it."""
@@ -159,12 +183,22 @@ class RoundState:
 @dataclass(frozen=True)
 class ClosedRound:
     """A broadcast round result: the header (without the per-worker next task), the
-    chosen frames back to back, and the digest of the parameters after the round, which
-    the coordinator sets once it has applied the round (the broadcast does not wait)."""
+    chosen frames' bytes in header order (the arrivals' own, not copied), and the digest
+    of the parameters after the round, which the coordinator sets once it has applied the
+    round (the broadcast does not wait)."""
 
     header: pb.RoundHeader
-    data: bytes
+    parts: tuple[bytes, ...]
     digest: Future[str] = field(default_factory=Future)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def data(self) -> bytes:
+        """The frames back to back, as they go on the wire (a copy)."""
+        return b"".join(self.parts)
 
     @property
     def round(self) -> int:

@@ -20,25 +20,38 @@ from geoloco import transport
 from geoloco.compression import Frame, FrameError, Layout, decode_frame
 from geoloco.config import RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode
+from geoloco.coordinator.limits import (
+    IdleTimeout,
+    JoinLimiter,
+    LimitExceeded,
+    StreamSlots,
+    Watchdog,
+)
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
 from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
+from geoloco.tls import peer_fingerprint
 
 log = logging.getLogger(__name__)
 
 FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers and tables
+# frames validated at once: decode_frame already uses the codec's threads, and each check
+# holds temporary buffers of the frame's size, so more at once only costs memory
+VALIDATING_AT_ONCE = 2
+EXTRA_CHUNKS = 64  # a frame may come in this many more chunks than CHUNK_BYTES pieces
 
 
 class ServiceState(Protocol):
     """What the servicer may read and change of the coordinator's state (thread-safe)."""
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str) -> tuple[WorkerRecord, int]:
+             reclaim_session: str, cert: str | None) -> tuple[WorkerRecord, int]:
         """The worker's record and the current round; RegistryError if refused."""
 
-    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
-        """The worker's record; RegistryError if unknown or the session is wrong."""
+    def authenticate(self, worker_id: int, session: str, cert: str | None) -> WorkerRecord:
+        """The worker's record; RegistryError if unknown, the session is wrong or comes
+        over another certificate than the worker joined with."""
 
     def snapshot(self, record: WorkerRecord) -> tuple[int, str, bytes]:
         """(round, digest, dense fp32 frame) of the parameters at the current round's start."""
@@ -49,7 +62,7 @@ class ServiceState(Protocol):
     def accept(self, arrival: Arrival) -> None:
         """Add a decoded frame to the current round; RoundError if it closed meanwhile."""
 
-    def count_rejected(self) -> None:
+    def count_rejected(self, worker: int | None = None) -> None:
         """Count a push refused for its header or its frame."""
 
     def follow(self, worker: int, from_round: int) -> AbstractContextManager[
@@ -64,7 +77,9 @@ class ServiceState(Protocol):
 
 
 class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
-    """The four RPCs; each validates its caller, then hands the work to the state."""
+    """The four RPCs; each validates its caller (from the request, or for Push from the
+    call's metadata before the stream is read) and takes one of the caller's slots, then
+    hands the work to the state (docs/security.md, "Hostile clients")."""
 
     def __init__(self, state: ServiceState, cfg: RunConfig, layout: Layout,
                  code: GradientCode) -> None:
@@ -74,15 +89,26 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         self.code = code
         self.max_frame_bytes = layout.numel * 4 + FRAME_OVERHEAD_BYTES
         self.frame_kind = "sparse" if cfg.compression.method == "sparseloco" else "dense"
+        self.validating = threading.BoundedSemaphore(VALIDATING_AT_ONCE)
+        self.slots = StreamSlots()
+        self.joins = JoinLimiter()
+        self.watchdog = Watchdog()
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         reclaim = request.reclaim_worker_id if request.HasField("reclaim_worker_id") else None
-        caps = request.capabilities
+        caps, cert = request.capabilities, peer_fingerprint(context)
+        peer = cert or _peer_host(context.peer())
         try:
+            self.joins.check(peer)
             record, current = self.state.join(request.token, caps.hostname, caps.device, reclaim,
-                                              request.reclaim_session)
+                                              request.reclaim_session, cert)
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise  # unreachable: abort raises
         except RegistryError as exc:
-            log.warning("join refused: %s", exc)
+            if exc.code != "RESOURCE_EXHAUSTED":
+                self.joins.failed(peer)
+            log.warning("join from %s refused: %s", context.peer(), exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
         log.info("worker %d %s from %s (%s), round %d", record.worker_id,
@@ -112,79 +138,105 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
     def FetchState(self, request: pb.FetchStateRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.StateChunk]:
         record = self._authenticate(request.worker_id, request.session, context)
-        round, digest, data = self.state.snapshot(record)
-        task = self.task_for(record.worker_id, round)
-        log.info("worker %d fetches the state of round %d (%d bytes)", record.worker_id, round,
-                 len(data))
-        for i, chunk in enumerate(transport.chunks(data)):
-            if i == 0:
-                yield pb.StateChunk(round=round, digest=digest, total_bytes=len(data),
-                                    data=chunk, task=task)
-            else:
-                yield pb.StateChunk(data=chunk)
+        with self._slot(record.worker_id, "FetchState", context):
+            round, digest, data = self.state.snapshot(record)
+            task = self.task_for(record.worker_id, round)
+            log.info("worker %d fetches the state of round %d (%d bytes)", record.worker_id, round,
+                     len(data))
+            for i, chunk in enumerate(transport.chunks(data)):
+                if i == 0:
+                    yield pb.StateChunk(round=round, digest=digest, total_bytes=len(data),
+                                        data=chunk, task=task)
+                else:
+                    yield pb.StateChunk(data=chunk)
 
     def Push(self, request_iterator: Iterator[pb.PushChunk],
              context: grpc.ServicerContext) -> pb.PushReply:
-        header, reason = self._push_header(request_iterator)
-        if reason is None:
-            reason = self._receive(header, request_iterator)
+        worker, session = _caller(context)
+        self._authenticate(worker, session, context)
+        with self._slot(worker, "Push", context):
+            timeout = IdleTimeout(self.watchdog, context.cancel)
+            try:
+                header, reason = self._push_header(request_iterator, worker, session, timeout)
+                if reason is None:
+                    reason = self._receive(header, request_iterator, timeout)
+            finally:
+                timeout.close()
         round = header.round if header is not None else self.state.open_round()
         if reason is not None:
-            who = header.worker_id if header is not None else "?"
-            log.warning("push from worker %s for round %d rejected: %s", who, round, reason)
+            log.warning("push from worker %d for round %d rejected: %s", worker, round, reason)
             return pb.PushReply(accepted=False, reason=reason, round=round)
         return pb.PushReply(accepted=True, round=round)
 
-    def _push_header(self, it: Iterator[pb.PushChunk]) -> tuple[pb.PushHeader | None, str | None]:
+    def _push_header(self, it: Iterator[pb.PushChunk], worker: int, session: str,
+                     timeout: IdleTimeout) -> tuple[pb.PushHeader | None, str | None]:
         try:
-            first = next(it)
-        except StopIteration:
-            first = None
-        if first is None or not first.HasField("header"):
-            self.state.count_rejected()
-            return None, "a push must start with a PushHeader message"
-        return first.header, None
+            first = next(it, None)
+        except grpc.RpcError:
+            first, reason = None, ("no PushHeader within the first-message deadline"
+                                   if timeout.expired else "the stream broke before its PushHeader")
+        else:
+            reason = "a push must start with a PushHeader message"
+        if first is not None and first.HasField("header"):
+            h = first.header
+            if h.worker_id == worker and h.session == session:
+                timeout.fed()
+                return h, None
+            reason = (f"the PushHeader (worker {h.worker_id}) does not match the call's metadata "
+                      f"(worker {worker} and its session)")
+        self.state.count_rejected(worker)
+        return None, reason
 
-    def _receive(self, h: pb.PushHeader, it: Iterator[pb.PushChunk]) -> str | None:
-        """Authenticate, check round and size, read and decode the frame, then accept it.
+    def _receive(self, h: pb.PushHeader, it: Iterator[pb.PushChunk], timeout: IdleTimeout) -> str | None:
+        """Check round and size, read and decode the frame, then accept it.
         Returns the reason for a rejection, or None."""
         try:
-            self.state.authenticate(h.worker_id, h.session)
             self.state.check_push(h.worker_id, h.round)
-        except (RegistryError, RoundError) as exc:
+        except RoundError as exc:
             return str(exc)
         try:
-            data = self._read_frame(h, it)
-            decode_started = time.monotonic()
-            frame = self._decode(h, data)
+            data = self._read_frame(h, it, timeout)
+            received = time.monotonic()  # the bytes are in; validating them is the coordinator's time
+            with self.validating:
+                decode_started = time.monotonic()
+                frame = self._decode(h, data)
+                norm, max_abs = frame.magnitudes()
+                decode_seconds = time.monotonic() - decode_started
         except FrameError as exc:
-            self.state.count_rejected()
+            self.state.count_rejected(h.worker_id)
             return str(exc)
         try:
             self.state.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
                                       tuple(h.partitions), h.encode_seconds, h.apply_seconds,
-                                      decode_seconds=time.monotonic() - decode_started))
+                                      decode_seconds=decode_seconds, received_at=received,
+                                      norm=norm, max_abs=max_abs))
         except RoundError as exc:
             return str(exc)
         return None
 
-    def _read_frame(self, h: pb.PushHeader, it: Iterator[pb.PushChunk]) -> bytes:
+    def _read_frame(self, h: pb.PushHeader, it: Iterator[pb.PushChunk], timeout: IdleTimeout) -> bytes:
         if not 0 < h.total_bytes <= self.max_frame_bytes:
             raise FrameError(f"total_bytes {h.total_bytes} is outside 1..{self.max_frame_bytes} "
                              "(the largest frame this model's layout allows)")
+        max_chunks = -(-h.total_bytes // transport.CHUNK_BYTES) + EXTRA_CHUNKS
         parts, got = [], 0
         try:
             for msg in it:
+                timeout.fed()
                 if not msg.HasField("data"):
                     raise FrameError("a second PushHeader inside one push")
+                if not msg.data:
+                    raise FrameError("an empty data chunk")
                 got += len(msg.data)
                 if got > h.total_bytes:
                     raise FrameError(f"frame longer than its total_bytes {h.total_bytes}")
                 parts.append(msg.data)
+                if len(parts) > max_chunks:
+                    raise FrameError(f"more than {max_chunks} chunks for a frame of {h.total_bytes} bytes")
         except grpc.RpcError as exc:
-            raise FrameError(f"stream broke after {got} of {h.total_bytes} bytes (client cancelled "
-                             f"or connection lost: {exc.code() if hasattr(exc, 'code') else exc})"
-                             ) from None
+            why = "no data within the idle deadline" if timeout.expired else "client cancelled or connection lost"
+            raise FrameError(f"stream broke after {got} of {h.total_bytes} bytes ({why}: "
+                             f"{exc.code() if hasattr(exc, 'code') else exc})") from None
         if got < h.total_bytes:
             raise FrameError(f"truncated frame: got {got} of {h.total_bytes} bytes")
         return b"".join(parts)
@@ -203,7 +255,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
         record = self._authenticate(request.worker_id, request.session, context)
         worker = record.worker_id
-        with self.state.follow(worker, request.from_round) as (sub, backlog):
+        with self._slot(worker, "Rounds", context), \
+                self.state.follow(worker, request.from_round) as (sub, backlog):
             last_sent = threading.Event()  # the finished run's last message is on its way
 
             def on_end() -> None:
@@ -247,11 +300,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
         yield pb.RoundUpdate(header=header)
-        view, start = memoryview(closed.data), 0
-        for info in closed.header.frames:
-            for chunk in transport.chunks(view[start:start + info.nbytes]):
+        for part in closed.parts:
+            for chunk in transport.chunks(part):
                 yield pb.RoundUpdate(data=chunk)
-            start += info.nbytes
         digest = _await_digest(closed, context)
         if digest is not None:
             if closed.finished:
@@ -261,10 +312,33 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
     def _authenticate(self, worker_id: int, session: str,
                       context: grpc.ServicerContext) -> WorkerRecord:
         try:
-            return self.state.authenticate(worker_id, session)
+            return self.state.authenticate(worker_id, session, peer_fingerprint(context))
         except RegistryError as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
+
+    def _slot(self, worker: int, rpc: str, context: grpc.ServicerContext) -> AbstractContextManager[None]:
+        """One of ``worker``'s slots for ``rpc``, or RESOURCE_EXHAUSTED."""
+        try:
+            return self.slots.acquire(worker, rpc)
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise  # unreachable: abort raises
+
+
+def _caller(context: grpc.ServicerContext) -> tuple[int, str]:
+    """(worker id, session) from the call's metadata; UNAUTHENTICATED without them."""
+    metadata = dict(context.invocation_metadata() or ())
+    worker, session = metadata.get(transport.WORKER_ID_KEY, ""), metadata.get(transport.SESSION_KEY, "")
+    if not worker.isdigit() or not session:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"a Push must carry {transport.WORKER_ID_KEY} "
+                      f"and {transport.SESSION_KEY} metadata: join first")
+    return int(worker), session
+
+
+def _peer_host(peer: str) -> str:
+    """``ipv4:10.0.0.5`` of ``ipv4:10.0.0.5:41234`` (what the Join limiter counts by)."""
+    return peer.rpartition(":")[0] or peer
 
 
 def _await_digest(closed: ClosedRound, context: grpc.ServicerContext) -> str | None:

@@ -83,16 +83,16 @@ class CoordinatorState:
     # ----- what the servicer calls ---------------------------------------------------
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str) -> tuple[WorkerRecord, int]:
+             reclaim_session: str, cert: str | None = None) -> tuple[WorkerRecord, int]:
         """Register (or reclaim) a worker; returns its record and the current round."""
         with self.lock:
-            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session)
+            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert)
             self.lock.notify_all()
             return record, self.rs.round
 
-    def authenticate(self, worker_id: int, session: str) -> WorkerRecord:
+    def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         with self.lock:
-            return self.registry.authenticate(worker_id, session)
+            return self.registry.authenticate(worker_id, session, cert)
 
     def snapshot(self, record: WorkerRecord) -> StateSnapshot:
         """The parameters at the current round's start (the worker counts as ready)."""
@@ -115,7 +115,7 @@ class CoordinatorState:
             try:
                 self.rs.check_push(worker, round)
             except RoundError:
-                self.rs.count_refused(round)
+                self.rs.count_refused(round, worker)
                 raise
 
     def accept(self, arrival: Arrival) -> None:
@@ -124,14 +124,14 @@ class CoordinatorState:
             try:
                 self.rs.accept(arrival)
             except RoundError:
-                self.rs.count_refused(arrival.frame.round)
+                self.rs.count_refused(arrival.frame.round, arrival.worker)
                 raise
             self.lock.notify_all()
 
-    def count_rejected(self) -> None:
+    def count_rejected(self, worker: int | None = None) -> None:
         """Count a push refused before its round was looked at (bad header or frame)."""
         with self.lock:
-            self.rs.count_refused()
+            self.rs.count_refused(worker=worker)
 
     @contextmanager
     def follow(self, worker: int, from_round: int) -> Iterator[tuple[Subscription, list[ClosedRound]]]:
@@ -209,7 +209,7 @@ class CoordinatorState:
         with self._params_lock:
             with self.lock:
                 self.history.append(closed)
-                while len(self.history) > 1 and sum(len(c.data) for c in self.history) > HISTORY_BYTES:
+                while len(self.history) > 1 and sum(c.nbytes for c in self.history) > HISTORY_BYTES:
                     self.history.popleft()
                 self.rs = RoundState(closed.round + 1, self.rs.deadline_s)
                 if not closed.finished:

@@ -39,11 +39,11 @@ fi
 rm -rf "$OUT" && mkdir -p "$OUT"
 start=$(date +%s)
 mapfile -t req_args <<<"$REQS"
-# Binary wheels for the image's interpreter (CPython 3.11, glibc >= 2.28), whatever the
-# host's Python is; environment markers are evaluated for that target.
+# Binary wheels for the image's interpreter (CPython 3.11, Debian bookworm: glibc 2.36),
+# whatever the host's Python is; environment markers are evaluated for that target.
 "$PYTHON" -m pip download --quiet --dest "$OUT" --only-binary=:all: \
     --python-version 3.11 --implementation cp --abi cp311 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform linux_x86_64 \
     -c "$ROOT/constraints.txt" "${req_args[@]}" 2> >(grep -v "is ignored: it is neither" >&2)
 printf '%s\n' "$inputs" > "$STAMP"

@@ -23,7 +23,13 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from geoloco import __version__  # noqa: E402
-from geoloco.config import ConfigError, RunConfig, load_config  # noqa: E402
+from geoloco.config import (  # noqa: E402
+    ConfigError,
+    RunConfig,
+    load_config,
+    require_token,
+    resolve_token,
+)
 
 EXIT_CONFIG_ERROR = 2
 EXIT_EXPORT_FAILED = 1
@@ -42,17 +48,23 @@ LOCAL_FLAGS = {
 # `geoloco local` without --config: sized so 4 workers on 2 CPU cores finish in a few minutes
 # (gpt-tiny, 20 rounds of H = 10 inner steps on 16 x 64-byte sequences).
 LOCAL_DEMO_DEFAULTS = {"rounds": "20", "inner.steps": "10", "inner.warmup_steps": "10"}
+TLS_FLAGS = {
+    "token_file": "coordinator.token_file", "tls_ca": "tls.ca", "tls_cert": "tls.cert",
+    "tls_key": "tls.key", "insecure": "tls.insecure",
+}
 COORDINATOR_FLAGS = {
     "listen": "coordinator.listen", "workers": "workers", "rounds": "rounds",
-    "run_dir": "run_dir", "token": "coordinator.token", "deadline": "coordinator.deadline_s",
+    "run_dir": "run_dir", "deadline": "coordinator.deadline_s", **TLS_FLAGS,
     "metrics_port": "monitoring.metrics_port", "metrics_host": "monitoring.metrics_host",
 }
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
-    "connect_timeout": "worker.connect_timeout_s", "token": "coordinator.token",
-    "precision": "worker.precision",
+    "connect_timeout": "worker.connect_timeout_s", "tls_server_name": "tls.server_name",
+    "precision": "worker.precision", **TLS_FLAGS,
     "metrics_port": "monitoring.worker_metrics_port", "metrics_host": "monitoring.metrics_host",
 }
+# fields that hold secrets: a command line is visible to every user of the machine (ps)
+COMMAND_LINE_SECRETS = ("coordinator.token",)
 MODEL_HELP = ("a preset (gpt-tiny | gpt-small | gpt-medium | gpt-100m), module:function or "
               "file.py:function (a factory of an nn.Module), or hf:PATH (a transformers config or "
               "checkpoint folder)")
@@ -78,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_local(sub)
     _add_coordinator(sub)
     _add_worker(sub)
+    _add_certs(sub)
     _add_export(sub)
     _add_warmup(sub)
     _add_report(sub)
@@ -101,8 +114,21 @@ def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
                        "keep it off public interfaces)")
 
 
+def _security(p: argparse.ArgumentParser, side: str) -> None:
+    """The token and TLS flags (docs/security.md); the token itself never is a flag."""
+    p.add_argument("--token-file", metavar="FILE",
+                   help="file holding the run's token (default: $GEOLOCO_TOKEN, then the config file)")
+    p.add_argument("--tls-ca", metavar="PEM", help="the run's CA certificate: " + (
+        "require worker certificates signed by it (mutual TLS)" if side == "coordinator"
+        else "check the coordinator's certificate with it (default: the system's roots)"))
+    p.add_argument("--tls-cert", metavar="PEM", help=f"this {side}'s certificate")
+    p.add_argument("--tls-key", metavar="PEM", help="its private key")
+    p.add_argument("--insecure", action="store_const", const="true", default=None,
+                   help="allow plaintext to a non-loopback address (logged loudly at every start)")
+
+
 def _add_local(sub: Any) -> None:
-    p = sub.add_parser("local", help="coordinator + N workers on this machine behind emulated WAN links",
+    p = sub.add_parser("local", allow_abbrev=False, help="coordinator + N workers on this machine behind emulated WAN links",
                        description="Start the coordinator and N worker processes on loopback, each "
                        "behind a link emulator, show progress and end with a summary table. Without "
                        "--config the run is demo-sized: "
@@ -131,27 +157,29 @@ def _add_local(sub: Any) -> None:
 
 
 def _add_coordinator(sub: Any) -> None:
-    p = sub.add_parser("coordinator", help="run the coordinator (gRPC server)",
+    p = sub.add_parser("coordinator", allow_abbrev=False, help="run the coordinator (gRPC server)",
                        description="Serve the round protocol to the workers and write the run directory.")
     _common(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="address to serve on (port 0: pick a free one)")
     p.add_argument("--workers", type=int, metavar="N", help="workers expected before round 0 opens")
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go")
-    p.add_argument("--token", help="shared secret the workers present")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     _metrics_flags(p)
+    _security(p, "coordinator")
     p.set_defaults(run=_run_coordinator)
 
 
 def _add_worker(sub: Any) -> None:
-    p = sub.add_parser("worker", help="run one worker against a coordinator",
+    p = sub.add_parser("worker", allow_abbrev=False, help="run one worker against a coordinator",
                        description="Join a coordinator, train on the assigned partitions, push frames "
                        "and apply round results until the run finishes.")
     _common(p)
     p.add_argument("--coordinator", metavar="HOST:PORT", help="coordinator address")
-    p.add_argument("--token", help="the run's shared secret (default: coordinator.token)")
+    _security(p, "worker")
+    p.add_argument("--tls-server-name", metavar="NAME",
+                   help="the name the coordinator's certificate carries (default: the host dialled)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="training device")
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"),
                    help="inner-loop autocast (auto: bf16 on a GPU that has it)")
@@ -169,8 +197,24 @@ def _add_worker(sub: Any) -> None:
     p.set_defaults(run=_run_worker)
 
 
+def _add_certs(sub: Any) -> None:
+    p = sub.add_parser("certs", allow_abbrev=False, help="make a run's CA, coordinator and worker certificates and token",
+                       description="Write into DIR what a run needs for TLS: the run's own CA, a "
+                       "coordinator certificate for the names and addresses given with --san, one "
+                       "client certificate per worker (worker-<i>.pem/.key) and a random token file. "
+                       "What DIR already holds is kept (the CA signs new worker certificates); keys "
+                       "and the token are written readable by their owner only.")
+    p.add_argument("dir", metavar="DIR", help="where the files go (created mode 0700)")
+    p.add_argument("--san", action="append", default=[], metavar="NAME_OR_IP",
+                   help="a DNS name or IP address workers dial the coordinator by (repeatable; "
+                   "remakes the coordinator certificate; default localhost and 127.0.0.1)")
+    p.add_argument("--workers", type=int, default=0, metavar="N", help="worker certificates 0..N-1")
+    p.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    p.set_defaults(run=_run_certs)
+
+
 def _add_export(sub: Any) -> None:
-    p = sub.add_parser("export", help="write a run's newest checkpoint as a model folder others load",
+    p = sub.add_parser("export", allow_abbrev=False, help="write a run's newest checkpoint as a model folder others load",
                        description="A transformers save_pretrained folder for hf: models; for the "
                        "others model.safetensors (a plain state dict) beside config.json. The "
                        "tokenizer.json goes along when the run had one.")
@@ -211,12 +255,17 @@ def resolve_config(args: argparse.Namespace, flags: dict[str, str],
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. inner.steps=30")
+        if key.strip() in COMMAND_LINE_SECRETS:
+            raise ConfigError(f"--set {key.strip()}: a secret on the command line is visible to every "
+                              "user of the machine; use --token-file FILE or GEOLOCO_TOKEN")
         overrides[key.strip()] = value.strip()
     for attr, key in flags.items():
         value = getattr(args, attr, None)
         if value is not None:
             overrides[key] = str(value)
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    resolve_token(cfg, os.environ)
+    return cfg
 
 
 def configure_logging(log_file: str | None, verbose: bool = False) -> None:
@@ -246,16 +295,17 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 def _run_worker(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, WORKER_FLAGS)
-    configure_logging(args.log_file, args.verbose)
     if args.wan_emulate:
         _check_profile(args.wan_emulate)
+    token = require_token(cfg)
+    configure_logging(args.log_file, args.verbose)
     from geoloco.worker.app import run_worker
 
     return run_worker(
-        cfg.worker.coordinator, cfg.coordinator.token, device=cfg.worker.device,
+        cfg.worker.coordinator, token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
-        identity_file=args.identity_file, precision=cfg.worker.precision,
+        identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
         metrics=_worker_metrics(cfg),
     )
 
@@ -285,6 +335,17 @@ def _run_report(args: argparse.Namespace) -> int:
         print(f"geoloco: report: {exc}", file=sys.stderr)
         return EXIT_REPORT_FAILED
     print(out)
+    return 0
+
+
+def _run_certs(args: argparse.Namespace) -> int:
+    if not 0 <= args.workers <= 1024 or not 1 <= args.days <= 36500:
+        raise ConfigError(f"--workers {args.workers} / --days {args.days}: expected 0..1024 workers "
+                          "and 1..36500 days")
+    from geoloco.certs import make_run_credentials
+
+    for path in make_run_credentials(Path(args.dir), args.san, args.workers, args.days):
+        print(f"wrote {path}")
     return 0
 
 

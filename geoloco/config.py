@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PA
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 AGGREGATIONS = ("mean", "mean_kept")
 PROGRESS_STYLES = ("auto", "bar", "lines")
+TOKEN_ENV = "GEOLOCO_TOKEN"  # the run token from the environment (never from a command line)
+SECRET_FIELDS = (("coordinator", "token"),)  # left out of every config written or sent
 
 
 class ConfigError(ValueError):
@@ -136,7 +139,10 @@ class StragglerConfig:
 @dataclass
 class CoordinatorConfig:
     listen: str = "127.0.0.1:50051"
-    token: str = "geoloco"  # shared secret workers present at Join
+    # the run's shared secret that workers present at Join: from token_file, $GEOLOCO_TOKEN
+    # or this field (config file only; never on a command line, never written out)
+    token: str | None = None
+    token_file: str | None = None  # a file holding the token (`geoloco certs` writes one)
     deadline_s: float = 300.0  # a round closes at this deadline whatever has arrived
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
@@ -175,6 +181,33 @@ class MonitoringConfig:
 
 
 @dataclass
+class TlsConfig:
+    """Transport security of this process's connections (docs/security.md). The
+    coordinator serves TLS with ``cert`` and ``key``; with ``ca`` it also requires every
+    client to present a certificate signed by that CA (mutual TLS). A worker checks the
+    coordinator's certificate against ``ca`` (the system's roots when unset) and presents
+    ``cert`` and ``key`` when given. Paths are read when the process starts."""
+
+    ca: str | None = None  # PEM: the run's CA certificate
+    cert: str | None = None  # PEM: this process's certificate (chain)
+    key: str | None = None  # PEM: its private key
+    server_name: str | None = None  # worker: the name the coordinator's certificate must
+    # carry (default: the host of worker.coordinator)
+    insecure: bool = False  # allow plaintext on a non-loopback address (warned at every start)
+
+
+@dataclass
+class GuardConfig:
+    """Bounds on every frame before it counts (docs/security.md): a frame whose L2 norm
+    exceeds ``clip_ratio`` x the round's median frame norm is scaled down to it, one above
+    ``reject_ratio`` x the median is dropped. The median is the lower median of the
+    round's arrived frames, so it stays an honest frame's while fewer than half lie."""
+
+    clip_ratio: float = 2.0
+    reject_ratio: float = 100.0
+
+
+@dataclass
 class RunConfig:
     workers: int = 4
     rounds: int = 20
@@ -190,9 +223,15 @@ class RunConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field but the secrets (SECRET_FIELDS): what config.json and Join send."""
+        data = dataclasses.asdict(self)
+        for section, name in SECRET_FIELDS:
+            data[section].pop(name, None)
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -206,8 +245,32 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     """Read a TOML or JSON file (optional), apply dotted overrides, validate, resolve defaults."""
     data: dict[str, Any] = _read_file(Path(path)) if path else {}
     for key, value in (overrides or {}).items():
-        _set_dotted(data, key, value)
+        _set_dotted(data, key, _Text(value) if isinstance(value, str) else value)
     return validate(RunConfig.from_dict(data))
+
+
+def resolve_token(cfg: RunConfig, environ: Mapping[str, str]) -> str | None:
+    """The run token, into ``cfg.coordinator.token``: from ``coordinator.token_file`` if
+    set, else from $GEOLOCO_TOKEN, else the config file's ``coordinator.token``."""
+    co = cfg.coordinator
+    if co.token_file:
+        try:
+            co.token = Path(co.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"coordinator.token_file: cannot read {co.token_file!r} ({exc.strerror})") from None
+        if not co.token:
+            raise ConfigError(f"coordinator.token_file: {co.token_file!r} is empty")
+    elif environ.get(TOKEN_ENV):
+        co.token = environ[TOKEN_ENV].strip()
+    return co.token
+
+
+def require_token(cfg: RunConfig) -> str:
+    """The run token; ConfigError saying where to put it when there is none."""
+    if not cfg.coordinator.token:
+        raise ConfigError(f"no run token: give --token-file FILE (`geoloco certs` writes one) or set "
+                          f"{TOKEN_ENV}; a token is never taken from the command line")
+    return cfg.coordinator.token
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -227,6 +290,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
     _check_address("worker.coordinator", cfg.worker.coordinator)
     _check_monitoring(cfg.monitoring)
+    _check_tls(cfg.tls)
+    _check_range("guard.clip_ratio", cfg.guard.clip_ratio, 1.0, 1e6)
+    _check_range("guard.reject_ratio", cfg.guard.reject_ratio, cfg.guard.clip_ratio, 1e12)
     return cfg
 
 
@@ -357,7 +423,7 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_range("coordinator.checkpoint_every", co.checkpoint_every, 0, 10**7)
     if co.val_every is not None:
         _check_range("coordinator.val_every", co.val_every, 0, 10**7)
-    if not co.token:
+    if co.token is not None and not co.token.strip():
         raise ConfigError("coordinator.token must not be empty")
 
 
@@ -372,6 +438,12 @@ def _check_monitoring(mon: MonitoringConfig) -> None:
     _check_choice("monitoring.progress", mon.progress, PROGRESS_STYLES)
     if not isinstance(mon.tensorboard, bool):
         raise ConfigError(f"monitoring.tensorboard: {mon.tensorboard!r} is not true or false")
+
+
+def _check_tls(tls: TlsConfig) -> None:
+    if bool(tls.cert) != bool(tls.key):
+        raise ConfigError("tls.cert and tls.key go together: give both (the certificate and its "
+                          "private key) or neither")
 
 
 def _check_address(name: str, value: str) -> None:
@@ -441,14 +513,19 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+class _Text(str):
+    """A value given as text (a flag or an override): parsed into the field's type."""
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+             "list[str]": "a list of strings"}
+
+
 def _coerce(name: str, ftype: str, value: Any) -> Any:
-    """Turn strings from flags or env into the declared type; leave typed values alone."""
-    if not isinstance(value, str):
-        if ftype == "float" and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if ftype.startswith("list") and not isinstance(value, list):
-            raise ConfigError(f"{name}: expected a list, got {value!r}")
-        return value
+    """Parse text from flags and overrides into the declared type; a typed value (TOML,
+    JSON) must already have it: ConfigError naming field, expected type and value."""
+    if not isinstance(value, _Text):
+        return _typed(name, ftype, value)
     try:
         if ftype == "int":
             return int(value)
@@ -465,8 +542,25 @@ def _coerce(name: str, ftype: str, value: Any) -> Any:
         if ftype == "str | None":
             return None if value.lower() == "none" else value
     except ValueError:
-        raise ConfigError(f"{name}: {value!r} is not a valid {ftype}") from None
-    return value
+        raise ConfigError(f"{name}: {str(value)!r} is not a valid {ftype}") from None
+    return str(value)
+
+
+def _typed(name: str, ftype: str, value: Any) -> Any:
+    base, optional = ftype.removesuffix(" | None"), ftype.endswith(" | None")
+    if value is None and optional:
+        return None
+    if base == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+          "float": lambda v: isinstance(v, float),
+          "bool": lambda v: isinstance(v, bool),
+          "str": lambda v: isinstance(v, str),
+          "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}[base]
+    if not ok(value):
+        expected = _EXPECTED[base] + (" or none" if optional else "")
+        raise ConfigError(f"{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+    return list(value) if base == "list[str]" else value
 
 
 _SECTIONS: dict[str, type] = {
@@ -480,4 +574,6 @@ _SECTIONS: dict[str, type] = {
     "CoordinatorConfig": CoordinatorConfig,
     "WorkerConfig": WorkerConfig,
     "MonitoringConfig": MonitoringConfig,
+    "TlsConfig": TlsConfig,
+    "GuardConfig": GuardConfig,
 }

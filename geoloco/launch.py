@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from geoloco import certs
 from geoloco.compression.kernel_cache import kernels_cached
 from geoloco.config import RunConfig, load_config, validate
 from geoloco.coordinator import checkpoint
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 PORT_FILE = "coordinator.port"
 METRICS_PORT_FILE = "metrics.port"
+CERTS_DIR = "certs"  # the run's CA, certificates and token, made afresh for every run
 START_TIMEOUT_S = 120.0  # coordinator start-up (imports, task build) and each worker's join
 WARMUP_TIMEOUT_S = 900.0  # compiling the codec kernels (about a minute on two idle cores)
 POLL_S = 0.25
@@ -161,6 +163,7 @@ class LocalRun:
         self.exits = contextlib.ExitStack()
         self.metrics_offset = 0
         self.started = time.monotonic()
+        self.certs = self.run_dir / CERTS_DIR
 
     # ------------------------------------------------------------------ start
 
@@ -212,20 +215,26 @@ class LocalRun:
         return f"each on a {links[0]} link" if len(set(links)) == 1 else "links " + ", ".join(links)
 
     def _prepare_dir(self) -> None:
-        """Clear what a previous run left in the run dir, then create its folders."""
-        for sub in ("logs", "workers", "checkpoints"):
+        """Clear what a previous run left in the run dir, then create its folders and the
+        run's credentials (mutual TLS on every connection, as in a deployment)."""
+        for sub in ("logs", "workers", "checkpoints", CERTS_DIR):
             shutil.rmtree(self.run_dir / sub, ignore_errors=True)
         for name in STALE:
             (self.run_dir / name).unlink(missing_ok=True)
         for sub in ("logs", "workers"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
-        config = self.cfg.to_dict()
+        certs.make_run_credentials(self.certs, None, self.cfg.workers)
+        config = self.cfg.to_dict()  # without the token
         config["coordinator"]["listen"] = "127.0.0.1:0"
         (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def _start_coordinator(self) -> int:
         args = ["coordinator", "--config", str(self.run_dir / "config.json"),
-                "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir)]
+                "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir),
+                "--token-file", str(self.certs / certs.TOKEN_FILE),
+                "--tls-ca", str(self.certs / certs.CA_CERT),
+                "--tls-cert", str(self.certs / certs.COORDINATOR_CERT),
+                "--tls-key", str(self.certs / certs.COORDINATOR_KEY)]
         self.coordinator = self._spawn("coordinator", args)
         port_file = self.run_dir / PORT_FILE
         self._wait(lambda: port_file.exists() and port_file.read_text().strip().isdigit(),
@@ -233,7 +242,11 @@ class LocalRun:
         return int(port_file.read_text().strip())
 
     def _worker_args(self, i: int, relay_port: int) -> list[str]:
-        return ["worker", "--coordinator", f"127.0.0.1:{relay_port}", "--token", self.cfg.coordinator.token,
+        return ["worker", "--coordinator", f"127.0.0.1:{relay_port}",
+                "--token-file", str(self.certs / certs.TOKEN_FILE),
+                "--tls-ca", str(self.certs / certs.CA_CERT),
+                "--tls-cert", str(self.certs / certs.worker_cert(i)),
+                "--tls-key", str(self.certs / certs.worker_key(i)),
                 "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / "workers"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -43,6 +44,19 @@ CHANNEL_OPTIONS = _COMMON_OPTIONS + [
 
 Reply = TypeVar("Reply")
 
+# Call metadata that names the caller of a Push before its stream is read.
+WORKER_ID_KEY = "x-geoloco-worker"
+SESSION_KEY = "x-geoloco-session"
+
+
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """TLS for a channel: gRPC's credentials, and the name the server's certificate must
+    carry when it is not the host dialled (a relay in between: geoloco.links)."""
+
+    credentials: grpc.ChannelCredentials
+    server_name: str | None = None
+
 
 class AddressError(ValueError):
     """A ``HOST:PORT`` string that cannot be used; the message says which part is wrong."""
@@ -72,13 +86,25 @@ def chunks(data: bytes | memoryview, size: int = CHUNK_BYTES) -> Iterator[bytes]
         yield bytes(view[start : start + size])
 
 
-def insecure_channel(address: str) -> grpc.Channel:
-    """A channel to ``address`` with the shared options."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, security: ChannelSecurity | None = None) -> grpc.Channel:
+    """A channel to ``address`` with the shared options: TLS with ``security``, else
+    plaintext (geoloco.tls decides which is allowed)."""
+    if security is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    options = list(CHANNEL_OPTIONS)
+    if security.server_name:
+        options.append(("grpc.ssl_target_name_override", security.server_name))
+    return grpc.secure_channel(address, security.credentials, options=options)
+
+
+def caller_metadata(worker_id: int, session: str) -> tuple[tuple[str, str], ...]:
+    """The metadata a worker's calls carry (the coordinator checks it before reading)."""
+    return ((WORKER_ID_KEY, str(worker_id)), (SESSION_KEY, session))
 
 
 def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeout_s: float,
-                      sleep: Callable[[float], None] = time.sleep) -> tuple[Reply, grpc.Channel]:
+                      sleep: Callable[[float], None] = time.sleep,
+                      security: ChannelSecurity | None = None) -> tuple[Reply, grpc.Channel]:
     """Call ``join(channel)`` on a fresh channel to ``address`` until it answers, retrying
     UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff (BACKOFF_START_S doubling
     to BACKOFF_MAX_S, one log line per attempt) for up to ``timeout_s``. Returns the reply
@@ -87,7 +113,7 @@ def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeo
     start, delay, attempt = time.monotonic(), BACKOFF_START_S, 0
     while True:
         attempt += 1
-        channel = insecure_channel(address)
+        channel = open_channel(address, security)
         try:
             return join(channel), channel
         except grpc.RpcError as exc:
@@ -103,7 +129,7 @@ def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeo
                     f"{elapsed:.1f}s (timeout {timeout_s:g}s); check the address and that the "
                     "coordinator is running") from None
             wait = min(delay, left)
-            log.warning("join attempt %d to %s failed (%s); retrying in %.1fs", attempt, address,
-                        exc.code().name, wait)
+            log.warning("join attempt %d to %s failed (%s: %s); retrying in %.1fs", attempt, address,
+                        exc.code().name, exc.details(), wait)
             sleep(wait)
             delay = min(delay * 2, BACKOFF_MAX_S)

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from geoloco.config import TlsConfig
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
-from geoloco.transport import CoordinatorUnreachable, JoinRefused, parse_address
+from geoloco.tls import channel_security
+from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.loop import Worker
 from geoloco.worker.prometheus import worker_registry
 from geoloco.worker.session import Session, read_identity
@@ -38,6 +40,7 @@ def run_worker(
     threads: int = 1,
     wait_for: str | Path | None = None,
     identity_file: str | Path | None = None,
+    tls: TlsConfig | None = None,
     precision: str = "auto",
     metrics: tuple[str, int] | None = None,
 ) -> int:
@@ -45,14 +48,18 @@ def run_worker(
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
     ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
     ``identity_file`` makes the first Join reclaim the id and session written there;
-    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there."""
+    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there;
+    ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
+    allowed there)."""
     torch.set_num_threads(threads)
+    security = channel_security(tls or TlsConfig(), coordinator)
     if wait_for is not None:
         _wait_for_file(Path(wait_for))
     try:
         identity = read_identity(Path(identity_file)) if identity_file else None
         with _link(coordinator, wan_emulate) as address:
-            session = Session(address, token, connect_timeout_s, identity)
+            session = Session(address, token, connect_timeout_s, identity,
+                              _through_relay(security, coordinator, address))
             worker = Worker(session, device, Path(report_dir) if report_dir else None,
                             precision=precision)
             with _metrics(worker, metrics):
@@ -70,12 +77,14 @@ class WorkerThread:
     """A worker of this process, on a thread of its own: ``start()``, then ``wait()`` for the
     run to finish or ``stop()`` it; ``exit_code`` as ``geoloco worker`` would exit (and
     ``error``, the exception that failed it). ``inner_step`` replaces the inner training step
-    (geoloco.worker.trainer.InnerStep)."""
+    (geoloco.worker.trainer.InnerStep). ``tls``: as ``geoloco worker``'s (TLS unless the
+    coordinator is on loopback or ``tls.insecure``)."""
 
     def __init__(self, coordinator: str, token: str, device: str = "auto", precision: str = "auto",
                  connect_timeout_s: float = 60.0, report_dir: str | Path | None = None,
-                 inner_step: InnerStep | None = None) -> None:
-        self.session = Session(coordinator, token, connect_timeout_s)
+                 inner_step: InnerStep | None = None, tls: TlsConfig | None = None) -> None:
+        self.session = Session(coordinator, token, connect_timeout_s,
+                               security=channel_security(tls or TlsConfig(), coordinator))
         self.worker = Worker(self.session, device, Path(report_dir) if report_dir else None,
                              precision=precision, inner_step=inner_step)
         self.exit_code: int | None = None
@@ -136,6 +145,14 @@ def _metrics(worker: Worker, address: tuple[str, int] | None) -> Iterator[None]:
         yield
     finally:
         server.close()
+
+
+def _through_relay(security: ChannelSecurity | None, coordinator: str,
+                   address: str) -> ChannelSecurity | None:
+    """Through a local relay the coordinator's certificate must still carry its own name."""
+    if security is None or security.server_name or address == coordinator:
+        return security
+    return ChannelSecurity(security.credentials, parse_address(coordinator)[0])
 
 
 def _wait_for_file(path: Path, poll_s: float = 0.05) -> None:

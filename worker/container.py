@@ -19,11 +19,20 @@ from pathlib import Path
 import grpc
 
 from geoloco import transport
+from geoloco.config import (
+    TOKEN_ENV,
+    ConfigError,
+    RunConfig,
+    TlsConfig,
+    require_token,
+    resolve_token,
+)
 from geoloco.links import tc
 from geoloco.profiles import LinkProfile, LinkProfileError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.transport import CoordinatorUnreachable, JoinRefused
+from geoloco.tls import channel_security
+from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +66,8 @@ class Identity:
         os.replace(tmp, path)
 
 
-def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Identity:
+def join_coordinator(address: str, token: str, timeout_s: float = 120.0,
+                     security: ChannelSecurity | None = None) -> Identity:
     """Join ``address`` once (transport.join_with_backoff while it is not up) and return
     the assigned identity; a refusal (bad token, full run) raises JoinRefused."""
     request = pb.JoinRequest(token=token, capabilities=pb.Capabilities(
@@ -66,7 +76,7 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0) -> Iden
     def call(channel: grpc.Channel) -> pb.JoinReply:
         return pb_grpc.CoordinatorStub(channel).Join(request, timeout=transport.JOIN_CALL_TIMEOUT_S)
 
-    reply, channel = transport.join_with_backoff(address, call, timeout_s)
+    reply, channel = transport.join_with_backoff(address, call, timeout_s, security=security)
     channel.close()
     return Identity(worker_id=reply.worker_id, session=reply.session,
                     wan_profile=reply.wan_profile, straggler_profile=reply.straggler_profile)
@@ -79,7 +89,8 @@ def join_and_shape(args: argparse.Namespace) -> Identity:
         identity = Identity(**json.loads(args.identity_file.read_text()))
         log.info("reusing %s: worker %d", args.identity_file, identity.worker_id)
     else:
-        identity = join_coordinator(args.coordinator, args.token, args.timeout)
+        identity = join_coordinator(args.coordinator, _token(args), args.timeout,
+                                    channel_security(_tls(args), args.coordinator))
         log.info("joined %s as worker %d: link %s, straggler %s", args.coordinator,
                  identity.worker_id, identity.wan_profile or "unlimited",
                  identity.straggler_profile or "none")
@@ -93,11 +104,16 @@ def join_and_shape(args: argparse.Namespace) -> Identity:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m geoloco.worker.container",
+    p = argparse.ArgumentParser(prog="python -m geoloco.worker.container", allow_abbrev=False,
                                 description="Join the coordinator, shape IFACE to the assigned "
                                 "WAN profile, write the identity file.")
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    p.add_argument("--token", required=True)
+    p.add_argument("--token-file", metavar="FILE", help=f"the run's token (default: ${TOKEN_ENV})")
+    p.add_argument("--tls-ca", metavar="PEM", help="check the coordinator's certificate with this CA")
+    p.add_argument("--tls-cert", metavar="PEM", help="this worker's certificate (mutual TLS)")
+    p.add_argument("--tls-key", metavar="PEM", help="its private key")
+    p.add_argument("--tls-server-name", metavar="NAME", help="the name in the coordinator's certificate")
+    p.add_argument("--insecure", action="store_true", help="allow plaintext to a non-loopback address")
     p.add_argument("--identity-file", required=True, type=Path)
     p.add_argument("--owner", help="user to own the identity file (the worker's user)")
     p.add_argument("--timeout", type=float, default=120.0, help="give up joining after this long")
@@ -115,10 +131,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stream=sys.stderr)
     try:
         join_and_shape(args)
-    except (tc.LinkShapingError, LinkProfileError, JoinRefused, CoordinatorUnreachable) as exc:
+    except (tc.LinkShapingError, LinkProfileError, JoinRefused, CoordinatorUnreachable,
+            ConfigError) as exc:
         log.error("%s", exc)
         return EXIT_FAILED
     return 0
+
+
+def _token(args: argparse.Namespace) -> str:
+    """From --token-file, else $GEOLOCO_TOKEN (never a flag: ps shows command lines)."""
+    cfg = RunConfig()
+    cfg.coordinator.token_file = args.token_file
+    resolve_token(cfg, os.environ)
+    return require_token(cfg)
+
+
+def _tls(args: argparse.Namespace) -> TlsConfig:
+    return TlsConfig(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                     server_name=args.tls_server_name, insecure=args.insecure)
 
 
 def _version() -> str:

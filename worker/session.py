@@ -64,10 +64,12 @@ class Session:
     help (UNAVAILABLE and the like), RuntimeError when it cannot."""
 
     def __init__(self, address: str, token: str, connect_timeout_s: float = 60.0,
-                 identity: tuple[int, str] | None = None) -> None:
+                 identity: tuple[int, str] | None = None,
+                 security: transport.ChannelSecurity | None = None) -> None:
         self.address = address
         self.token = token
         self.connect_timeout_s = connect_timeout_s
+        self.security = security  # TLS of the channel (geoloco.tls); None: plaintext
         self.worker_id, self.secret = identity if identity is not None else (None, "")
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
@@ -88,7 +90,8 @@ class Session:
             return pb_grpc.CoordinatorStub(channel).Join(request, timeout=transport.JOIN_CALL_TIMEOUT_S)
 
         self.close()
-        reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s)
+        reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s,
+                                                           security=self.security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.worker_id, self.secret = reply.worker_id, reply.session
         log.info("%s as worker %d at %s (open round %d, device %s, straggler profile %r)",
@@ -101,7 +104,7 @@ class Session:
         data, first = bytearray(), None
         request = pb.FetchStateRequest(worker_id=self.worker_id, session=self.secret)
         try:
-            for chunk in self._connected().FetchState(request):
+            for chunk in self._connected().FetchState(request, metadata=self._metadata()):
                 first = first or chunk
                 data += chunk.data
         except grpc.RpcError as exc:
@@ -118,7 +121,7 @@ class Session:
                                encode_seconds=push.encode_s, apply_seconds=push.apply_s)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(push.frame)]
         try:
-            return self._connected().Push(iter(chunks))
+            return self._connected().Push(iter(chunks), metadata=self._metadata())
         except grpc.RpcError as exc:
             raise _rpc_failure("Push", exc) from None
 
@@ -126,7 +129,7 @@ class Session:
         """(Re)open the Rounds stream from ``from_round``; its frames decode against ``layout``."""
         self._stop_following()
         request = pb.RoundsRequest(worker_id=self.worker_id, session=self.secret, from_round=from_round)
-        self._follower = RoundsFollower(self._connected().Rounds(request), layout)
+        self._follower = RoundsFollower(self._connected().Rounds(request, metadata=self._metadata()), layout)
 
     def poll_result(self, round_: int) -> RoundResult | None:
         """The result of round ``round_`` (or a later one) if its header is in, else None."""
@@ -135,6 +138,9 @@ class Session:
     def next_result(self, round_: int) -> RoundResult:
         """The result of round ``round_`` (or a later one), waiting for its header."""
         return self._followed().next_result(round_, wait=True)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return transport.caller_metadata(self.worker_id, self.secret)
 
     def close(self) -> None:
         self._stop_following()

@@ -47,6 +47,7 @@ join_timeout_s = 180.0
 checkpoint_every = 3
 """
 IDENTITY = "/run/geoloco/identity.json"
+CERTS = "/runs/certs"
 NO_HEALTHCHECK = {"test": ["NONE"]}
 GEOLOCO_UID = "10001"  # the image's unprivileged user (docker/Dockerfile)
 
@@ -65,6 +66,7 @@ class Run:
     coordinator_exit: int | None = None
     worker_exits: dict[int, int] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+    command_lines: dict[str, str] = field(default_factory=dict)  # container -> its processes' args
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "run" / "metrics.jsonl"
@@ -87,13 +89,16 @@ def _scenario(lab: Lab, run_dir: Path) -> Run:
     run_dir.chmod(0o777)
     net = lab.network("region")
     volumes = {str(run_dir): {"bind": "/runs", "mode": "rw"}}
+    # as docker-compose.yml: the coordinator makes the CA, its certificate and the token
+    # into the shared certificates folder, the workers take the CA and the token from there
     coordinator = lab.run("coordinator", net, command=["coordinator"], volumes=volumes,
                           environment={"GEOLOCO_CONFIG": "/runs/config.toml", "GEOLOCO_RUN_DIR": "/runs/run",
-                                       "GEOLOCO_TOKEN": "docker-test"})
+                                       "GEOLOCO_CERTS": CERTS})
     wait_for(lambda: _health(coordinator) == "healthy", 120, "the coordinator's gRPC health check")
+    run.command_lines["coordinator"] = _command_lines(coordinator)
     workers = [lab.run(f"worker-{i}", net, command=["worker", "--report-dir", "/runs/reports"],
                        cap_add=["NET_ADMIN"], volumes=volumes, healthcheck=NO_HEALTHCHECK,
-                       environment={"GEOLOCO_COORDINATOR": "coordinator:50051", "GEOLOCO_TOKEN": "docker-test"})
+                       environment={"GEOLOCO_COORDINATOR": "coordinator:50051", "GEOLOCO_CERTS": CERTS})
                for i in range(WORKERS)]
     by_id = {}
     for container in workers:
@@ -103,6 +108,7 @@ def _scenario(lab: Lab, run_dir: Path) -> Run:
         run.qdiscs[ident["worker_id"]] = lab.exec(container, ["tc", "qdisc", "show"])[0]
     for wid, container in by_id.items():
         run.worker_users[wid] = wait_for(lambda c=container: _worker_user(c), 60, f"worker {wid}'s process")
+        run.command_lines[f"worker-{wid}"] = _command_lines(container)
 
     # Cut one worker off after round 1, until its client notices and tries to rejoin.
     wait_for(lambda: run.closed() >= 1, 240, "round 1 to close")
@@ -144,6 +150,10 @@ def _identity(lab: Lab, container) -> dict | None:
     return json.loads(out) if out.strip() else None
 
 
+def _command_lines(container) -> str:
+    return "\n".join(args for *_, args in container.top(ps_args="-o pid,args")["Processes"])
+
+
 def _worker_user(container) -> str | None:
     """The uid running the `geoloco worker` process (docker top, from the host's ps)."""
     for _pid, uid, args in container.top(ps_args="-o pid,uid,args")["Processes"]:
@@ -178,6 +188,16 @@ def test_workers_are_shaped_to_the_profile_of_their_id(run: Run) -> None:
 
 def test_workers_run_unprivileged(run: Run) -> None:
     assert set(run.worker_users.values()) == {GEOLOCO_UID}
+
+
+def test_the_cluster_runs_tls_and_no_command_line_holds_the_token(run: Run) -> None:
+    token = (run.run_dir / "certs" / "token").read_text().strip()
+    assert len(token) >= 32
+    assert "serving TLS" in run.logs["coordinator"]
+    for name, lines in run.command_lines.items():
+        assert "geoloco" in lines and token not in lines and "--token " not in lines, name
+    config = (run.run_dir / "run" / "config.json").read_text()
+    assert token not in config
 
 
 def test_training_finishes_with_a_summary(run: Run) -> None:

@@ -27,7 +27,7 @@ SMALL = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
     "task.val_batches": "2", "task.corpus_bytes": "300000",
     "inner.steps": "8", "inner.warmup_steps": "4", "inner.lr": "3e-3",
-    "coordinator.token": TOKEN, "coordinator.join_timeout_s": "60",
+    "coordinator.join_timeout_s": "60",
 }
 
 
@@ -51,7 +51,7 @@ class Processes:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GEOLOCO_TOKEN=TOKEN,
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         out = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
         proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,

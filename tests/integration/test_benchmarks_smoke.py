@@ -1,5 +1,6 @@
-"""The training-service benchmarks (wan, parity, metrics_cost) run end to end in their ``--quick`` form and end with one JSON
-line holding the figures they promise. Plumbing only: the numbers of a quick run are not
+"""The training-service benchmarks (wan, parity, metrics_cost) and the security ones
+(fuzz_rpc, scale) run end to end in their ``--quick`` form and end with one JSON line
+holding the figures they promise. Plumbing only: the numbers of a quick run are not
 measurements (docs/benchmarks.md has those)."""
 
 from __future__ import annotations
@@ -36,3 +37,22 @@ def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
     result = json.loads(last)
     assert KEYS[name] <= set(result), f"missing {KEYS[name] - set(result)} in {last}"
     assert all(isinstance(result[k], (int, float)) for k in KEYS[name]), last
+
+
+SECURITY_KEYS = {
+    "fuzz_rpc": {"streams", "crashed", "invalid_accepted", "worker_served"},
+    "scale": {"params", "decode_apply_s", "rows", "close_ratio", "rss_ratio"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECURITY_KEYS))
+def test_security_benchmarks_quick_run_ends_with_json_line(name: str) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "--quick"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert SECURITY_KEYS[name] <= set(result), result
+    if name == "fuzz_rpc":
+        assert result["crashed"] == 0 and result["invalid_accepted"] == 0 and result["worker_served"]

@@ -107,7 +107,8 @@ class RawWorker:
             apply_seconds=0.125)
         body = data if send is None else send
         msgs = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in wire.chunks(body)]
-        return self.stub.Push(iter(msgs), timeout=RPC_TIMEOUT_S)
+        return self.stub.Push(iter(msgs), timeout=RPC_TIMEOUT_S,
+                              metadata=wire.caller_metadata(header.worker_id, header.session))
 
     def close(self) -> None:
         if self.rounds_call is not None:
@@ -204,8 +205,10 @@ def test_bad_pushes_are_rejected_and_the_round_completes(tmp_path, workers):
         b.follow(0)
         good_a, good_b = sparse_frame(cfg, layout, a.id, 0), sparse_frame(cfg, layout, b.id, 0)
 
-        rejected(a.push(0, good_a, worker_id=7), "unknown worker 7")
-        rejected(a.push(0, good_a, session="forged"), "bad session")
+        for kwargs, why in (({"worker_id": 7}, "unknown worker 7"), ({"session": "forged"}, "bad session")):
+            with pytest.raises(grpc.RpcError) as refused:  # before the stream is read
+                a.push(0, good_a, **kwargs)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED and why in refused.value.details()
         rejected(a.push(1, sparse_frame(cfg, layout, a.id, 1)), "round 1", "round 0")
         other = Layout.from_named_tensors([("w", torch.zeros(64, 64))])
         rejected(a.push(0, sparse_frame(cfg, other, a.id, 0)), "layout")
@@ -250,7 +253,7 @@ def cut_mid_frame(w: RawWorker, data: bytes) -> None:
         yield pb.PushChunk(data=data[: len(data) // 2])
         release.wait(10)
 
-    future = w.stub.Push.future(messages(), timeout=RPC_TIMEOUT_S)
+    future = w.stub.Push.future(messages(), timeout=RPC_TIMEOUT_S, metadata=wire.caller_metadata(w.id, w.session))
     time.sleep(0.3)
     future.cancel()
     release.set()

@@ -79,7 +79,7 @@ def test_pgc_fr_run_survives_a_killed_worker(processes: Processes, tmp_path: Pat
     wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 60, "the port")
     for i in range(4):
         processes.start(f"worker-{i}", ["worker", "--coordinator", f"127.0.0.1:{port_file.read_text().strip()}",
-                                        "--token", TOKEN, "--device", "cpu", "--report-dir", str(reports)])
+                                        "--device", "cpu", "--report-dir", str(reports)])
     wait_until(lambda: len(metrics(run_dir)) >= 2, 90, "two rounds to close")
     victim = worker_reports(reports)[0]["pid"]  # worker 0: the first choice of its group
     name = next(n for n, p in processes.procs.items() if p.pid == victim)
@@ -141,7 +141,7 @@ def test_gc_cr_three_workers_trains_two_partitions_and_finishes(processes: Proce
 
 def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> None:
     rounds = 3
-    cfg = load_config(overrides={**CODED, "workers": "2", "rounds": str(rounds), "coding.scheme": "pgc-fr",
+    cfg = load_config(overrides={**CODED, "coordinator.token": TOKEN, "workers": "2", "rounds": str(rounds), "coding.scheme": "pgc-fr",
                                  "coding.stragglers": "1", "coordinator.listen": "127.0.0.1:0",
                                  "coordinator.deadline_s": "60"})
     coordinator = Coordinator(cfg, tmp_path / "run")

@@ -5,6 +5,7 @@ coordinator's digest, and the frame sizes in metrics.jsonl are the codec's figur
 from __future__ import annotations
 
 import json
+import stat
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,17 @@ def test_sparseloco_run_converges_and_replicas_agree(processes: Processes, tmp_p
     for wid, relay in summary["relay_bytes"].items():  # the relays carried at least the frames
         assert relay["up"] + relay["down"] >= ROUNDS * expected * (1 + WORKERS), wid
     assert f"round {ROUNDS}/{ROUNDS}" in out and "summary of" in out
+    check_mutual_tls_and_no_token_written(run_dir)
+
+
+def check_mutual_tls_and_no_token_written(run_dir: Path) -> None:
+    """`geoloco local` runs the deployed path: mutual TLS with credentials of its own, the
+    token in a 0600 file and in no config.json."""
+    token = (run_dir / "certs" / "token").read_text().strip()
+    assert stat.S_IMODE((run_dir / "certs" / "token").stat().st_mode) == 0o600
+    assert token not in (run_dir / "config.json").read_text()
+    coordinator_log = (run_dir / "logs" / "coordinator.log").read_text()
+    assert "(mutual TLS)" in coordinator_log and token not in coordinator_log
 
 
 def test_dense_diloco_run_converges_and_frames_are_dense_fp32(processes: Processes, tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def start_coordinator(processes: Processes, run_dir: Path, listen: str, rounds: 
 
 def start_workers(processes: Processes, address: str, report_dir: Path) -> None:
     for i in range(WORKERS):
-        processes.start(f"worker-{i}", ["worker", "--coordinator", address, "--token", TOKEN,
+        processes.start(f"worker-{i}", ["worker", "--coordinator", address,
                                         "--device", "cpu", "--connect-timeout", "60",
                                         "--report-dir", str(report_dir)])
 
@@ -135,7 +135,7 @@ def test_restarted_coordinator_with_resume_lets_workers_reclaim_and_finish(
 
 
 def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Path) -> None:
-    cfg = load_config(overrides={**SMALL, "workers": "2", "rounds": "3", "coordinator.listen": "127.0.0.1:0",
+    cfg = load_config(overrides={**SMALL, "coordinator.token": TOKEN, "workers": "2", "rounds": "3", "coordinator.listen": "127.0.0.1:0",
                                  "coordinator.checkpoint_every": "0", "coordinator.deadline_s": "120"})
     coordinator = Coordinator(cfg, tmp_path / "run")
     port = coordinator.start()

@@ -21,8 +21,10 @@ from geoloco.config import InnerConfig
 
 SUBCOMMANDS = {
     "local": ["--workers", "--rounds", "--wan", "--run-dir", "--method", "--per-worker-wan", "--straggler"],
-    "coordinator": ["--listen", "--workers", "--rounds", "--run-dir", "--resume"],
-    "worker": ["--coordinator", "--token", "--device", "--wan-emulate", "--log-file"],
+    "coordinator": ["--listen", "--workers", "--rounds", "--run-dir", "--resume", "--token-file",
+                    "--tls-cert", "--tls-key", "--tls-ca", "--insecure"],
+    "worker": ["--coordinator", "--token-file", "--tls-ca", "--tls-cert", "--tls-key", "--device",
+               "--wan-emulate", "--log-file"],
 }
 
 
@@ -34,6 +36,7 @@ def test_help_of_each_subcommand_lists_its_flags(command: str, capsys: pytest.Ca
     out = capsys.readouterr().out
     for flag in SUBCOMMANDS[command] + ["--config", "--set"]:
         assert flag in out, f"{command} --help does not mention {flag}"
+    assert "--token " not in out and "--token\n" not in out  # a secret is never a flag
 
 
 def test_console_script_top_level_help_names_the_subcommands() -> None:

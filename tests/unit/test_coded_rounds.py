@@ -92,7 +92,8 @@ def test_mean_kept_is_refused_for_coded_schemes(scheme: str, tmp_path) -> None:
     check_aggregation(load_config(overrides={"workers": "4", "outer.aggregation": "mean_kept"}))
 
 
-def test_coordinator_command_exits_2_on_mean_kept_with_a_code(tmp_path, capsys) -> None:
+def test_coordinator_command_exits_2_on_mean_kept_with_a_code(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("GEOLOCO_TOKEN", "a-token")
     code = main(["coordinator", "--run-dir", str(tmp_path), "--set", "coding.scheme=pgc-fr",
                  "--set", "coding.stragglers=1", "--set", "outer.aggregation=mean_kept"])
     assert code == 2

@@ -58,8 +58,21 @@ def test_coordinator_serves_both_regions_keeps_runs_and_reports_health(compose) 
     assert set(svc["networks"]) == {"region-a", "region-b"}
     volumes = " ".join(svc["volumes"])
     assert "}:/runs" in volumes and "}:/etc/geoloco/config.toml:ro" in volumes
-    assert svc["healthcheck"]["test"][1:4] == ["python", "-m", "geoloco.healthcheck"]
+    assert svc["healthcheck"]["test"][1:] == ["geoloco-entrypoint", "healthcheck"]
     assert svc["environment"]["GEOLOCO_RUN_DIR"].startswith("/runs/")
+    assert "certs:/certs" in volumes  # the run's CA, certificates and token are made here
+
+
+def test_every_connection_is_tls_and_no_token_is_on_a_command_line(compose) -> None:
+    for name, svc in compose["services"].items():
+        assert svc["environment"]["GEOLOCO_CERTS"] == "/certs"
+        assert svc["environment"].get("GEOLOCO_TLS", "1") != "0", name
+        assert not any("token" in str(arg).lower() for arg in svc["command"]), name
+        if name in WORKER_SERVICES:
+            assert "certs:/certs:ro" in svc["volumes"]
+    assert "certs" in compose["volumes"]
+    entrypoint = (ROOT / "docker" / "entrypoint.sh").read_text()
+    assert "--token " not in entrypoint and '--token"' not in entrypoint
 
 
 def test_cluster_config_is_valid_and_matches_the_default_scale(compose) -> None:

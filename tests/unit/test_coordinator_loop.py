@@ -40,6 +40,32 @@ class ParamSum:
         return float(sum(p.detach().sum() for p in model.parameters()))
 
 
+class CallContext:
+    """What the servicer reads of a gRPC call's context, for a call made without a server."""
+
+    def __init__(self, worker: int, session: str) -> None:
+        self.metadata = transport.caller_metadata(worker, session)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def auth_context(self) -> dict:
+        return {}
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def cancel(self) -> None:
+        raise AssertionError("the call was cancelled")
+
+    def abort(self, code, details: str) -> None:
+        raise Aborted(f"{code.name}: {details}")
+
+
+class Aborted(Exception):
+    """The servicer ended the call with an error status (gRPC's abort raises too)."""
+
+
 class Run:
     """A coordinator without its server: state, loop and servicer as the app wires them."""
 
@@ -71,7 +97,7 @@ class Run:
         header = pb.PushHeader(worker_id=record.worker_id, session=record.session, round=round,
                                total_bytes=len(data))
         msgs = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(data)]
-        return self.servicer.Push(iter(msgs), None)
+        return self.servicer.Push(iter(msgs), CallContext(record.worker_id, record.session))
 
     def metrics(self) -> list[dict]:
         return [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -130,8 +156,9 @@ def test_refused_pushes_count_as_rejected_or_late_on_the_round_they_met(tmp_path
         assert run.state.wait_for_joins(1, WAIT_S)
         assert "round 1 but round 0 is open" in run.push(a, 1, run.frame(0, 1)).reason
         assert not run.push(a, 0, b"not a frame").accepted
-        forged = WorkerRecord(a.worker_id, "forged")
-        assert "bad session" in run.push(forged, 0, run.frame(0, 0)).reason  # not counted
+        forged = WorkerRecord(a.worker_id, "", session="forged")
+        with pytest.raises(Aborted, match="UNAUTHENTICATED: bad session"):  # not counted
+            run.push(forged, 0, run.frame(0, 0))
         assert run.push(a, 0, run.frame(0, 0)).accepted
         run.loop.run_round()
         assert "round 0 but round 1 is open" in run.push(a, 0, run.frame(0, 0)).reason

@@ -220,7 +220,7 @@ def test_flipping_result_changes_one_parameter_before_applying(serve) -> None:
 RUN = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "4", "task.val_batches": "1",
     "task.corpus_bytes": "200000", "inner.steps": "2", "inner.warmup_steps": "2",
-    "coordinator.token": TOKEN, "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "60",
+    "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "60",
 }
 ROUNDS = 3
 
@@ -234,7 +234,7 @@ def run_two_workers(tmp_path: Path, faulty: FaultySession, deadline_s: float = 6
     proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", "coordinator", "--listen", "127.0.0.1:0",
                              "--workers", "2", "--rounds", str(ROUNDS), "--run-dir", str(run_dir), *flags],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", GEOLOCO_TOKEN=TOKEN))
     try:
         address = f"127.0.0.1:{read_port(run_dir, proc)}"
         faulty.address = address

@@ -1,0 +1,239 @@
+"""How the coordinator scales with the number of workers: simulated workers push real
+SparseLoCo frames of GPT-2's 124M-parameter layout over real gRPC (no training) into a
+coordinator process, n = 4, 16 and 64.
+
+Per n it prints the coordinator's round-close time (the last frame's bytes in -> validated,
+broadcast, applied and digested: metrics.jsonl's close_seconds + coordinator_apply_seconds),
+frames/s and MB/s decoded over that time, p50/p99 push latency as the workers saw it, the
+coordinator's peak RSS, and the bytes each worker downloads per round. The targets at the
+largest n: close time <= 1.5 x (n x one frame's decode_apply time, measured in this run),
+and peak RSS <= model + optimizer state (none for SparseLoCo's outer SGD) + 2 x the frames
+in flight + 500 MB. Download per worker is the n frames of the round: it grows linearly in
+n (docs/benchmarks.md says what that means).
+
+    python -m benchmarks.scale                  (--quick: a 3M-parameter layout, n = 2, 4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.fuzz_frames import stamped
+from geoloco import transport
+from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame
+from geoloco.compression.memory import huge_page_buffer
+from geoloco.config import load_config
+from geoloco.protos import geoloco_pb2 as pb
+from geoloco.protos import geoloco_pb2_grpc
+
+TOKEN = "scale-benchmark"
+ROUNDS = 4  # the first is a warm-up; figures are medians of the rest
+DEFAULT_NS = (4, 16, 64)
+QUICK_NS = (2, 4)
+RSS_SLACK_MB = 500
+RSS_FILE = "peak_rss_mb"  # the coordinator process writes its peak RSS here
+
+
+def gpt2_layout(n_layer: int = 12, d: int = 768, vocab: int = 50257, ctx: int = 1024) -> Layout:
+    """GPT-2's parameter layout (124,439,808 parameters at the defaults; the head is tied)."""
+    specs = [TensorSpec("wte", (vocab, d), torch.float32), TensorSpec("wpe", (ctx, d), torch.float32)]
+    for i in range(n_layer):
+        for name, shape in (("ln_1.weight", (d,)), ("ln_1.bias", (d,)), ("attn.c_attn.weight", (d, 3 * d)),
+                            ("attn.c_attn.bias", (3 * d,)), ("attn.c_proj.weight", (d, d)),
+                            ("attn.c_proj.bias", (d,)), ("ln_2.weight", (d,)), ("ln_2.bias", (d,)),
+                            ("mlp.c_fc.weight", (d, 4 * d)), ("mlp.c_fc.bias", (4 * d,)),
+                            ("mlp.c_proj.weight", (4 * d, d)), ("mlp.c_proj.bias", (d,))):
+            specs.append(TensorSpec(f"h.{i}.{name}", shape, torch.float32))
+    specs += [TensorSpec("ln_f.weight", (d,), torch.float32), TensorSpec("ln_f.bias", (d,), torch.float32)]
+    return Layout(specs)
+
+
+def layout_for(quick: bool) -> Layout:
+    return gpt2_layout(n_layer=2, d=256, vocab=8192, ctx=256) if quick else gpt2_layout()
+
+
+def run_config(n: int, run_dir: Path):
+    return load_config(overrides={
+        "workers": n, "rounds": ROUNDS, "run_dir": str(run_dir), "coordinator.listen": "127.0.0.1:0",
+        "coordinator.token": TOKEN, "coordinator.deadline_s": 600.0, "coordinator.join_timeout_s": 1.0,
+        "coordinator.checkpoint_every": 0, "coordinator.val_every": 0})
+
+
+class NoValidation:
+    """The round loop's task without data: no validation loss (this is not training)."""
+
+    def val_loss(self, model: nn.Module) -> float:
+        return float("nan")
+
+
+def serve(n: int, run_dir: Path, quick: bool) -> int:
+    """The coordinator process: the real state, servicer, round loop and server, over the
+    layout's parameters instead of a model built from a task."""
+    from grpc_health.v1 import health
+
+    from geoloco.coordinator.app import serve as start_server
+    from geoloco.coordinator.gradient_coding import make_code
+    from geoloco.coordinator.loop import RoundLoop
+    from geoloco.coordinator.metrics import RunTotals, write_text_atomic
+    from geoloco.coordinator.outer import make_outer
+    from geoloco.coordinator.registry import WorkerRegistry
+    from geoloco.coordinator.rounds import CodePolicy, RoundState
+    from geoloco.coordinator.service import CoordinatorServicer
+    from geoloco.coordinator.state import CoordinatorState
+
+    cfg = run_config(n, run_dir)
+    layout = layout_for(quick)
+    params = zero_params(layout)
+    code = make_code("none", n, 0, 0)
+    state = CoordinatorState(layout, params, WorkerRegistry(n, TOKEN), RunTotals(),
+                             RoundState(0, cfg.coordinator.deadline_s))
+    loop = RoundLoop(cfg, state, CodePolicy(code), make_outer("sparseloco", layout, cfg.outer),
+                     NoValidation(), nn.Module(), run_dir)
+    server, port = start_server(cfg, CoordinatorServicer(state, cfg, layout, code), health.HealthServicer(), None)
+    write_text_atomic(run_dir / "coordinator.port", f"{port}\n")
+    loop.measure_initial_loss()
+    if state.wait_for_joins(n, cfg.coordinator.join_timeout_s):
+        while state.open_round() < cfg.rounds:  # the loop's rounds; no worker waits for the end
+            loop.run_round()
+    write_text_atomic(run_dir / RSS_FILE, f"{peak_rss_mb()}\n")
+    server.stop(1.0).wait()
+    return 0
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set since it started (VmHWM: reset at exec, unlike
+    getrusage's maximum, which a forked child inherits from its parent)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:
+    """One coordinator process with ``n`` simulated workers for ROUNDS rounds."""
+    run_dir = tmp / f"n{n}"
+    run_dir.mkdir()
+    log = open(run_dir / "coordinator.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--serve", str(n), "--run-dir",
+                             str(run_dir), *(["--quick"] if quick else [])], stdout=log,
+                            stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        port_file = run_dir / "coordinator.port"
+        while not (port_file.exists() and port_file.read_text().strip().isdigit()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited; see {run_dir / 'coordinator.log'}")
+            time.sleep(0.1)
+        channel = transport.open_channel(f"127.0.0.1:{int(port_file.read_text())}")
+        stub = geoloco_pb2_grpc.CoordinatorStub(channel)
+        joins = [stub.Join(pb.JoinRequest(token=TOKEN), timeout=60) for _ in range(n)]
+        latencies: list[float] = []
+        lock = threading.Lock()
+
+        def push(j: pb.JoinReply, round_: int) -> None:
+            data = stamped(base, round_, j.worker_id)
+            header = pb.PushHeader(worker_id=j.worker_id, session=j.session, round=round_, total_bytes=len(data))
+            chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(data)]
+            start = time.monotonic()
+            reply = stub.Push(iter(chunks), metadata=transport.caller_metadata(j.worker_id, j.session), timeout=600)
+            if not reply.accepted:
+                raise RuntimeError(f"push refused: {reply.reason}")
+            with lock:
+                if round_ > 0:
+                    latencies.append(time.monotonic() - start)
+
+        with ThreadPoolExecutor(n) as pool:
+            for r in range(ROUNDS):
+                list(pool.map(lambda j, r=r: push(j, r), joins))
+                metrics = run_dir / "metrics.jsonl"
+                while not metrics.exists() or len(metrics.read_text().splitlines()) <= r:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"the coordinator exited; see {run_dir / 'coordinator.log'}")
+                    time.sleep(0.05)
+        channel.close()
+        assert proc.wait(timeout=600) == 0, (run_dir / "coordinator.log").read_text()[-3000:]
+        rss = float((run_dir / RSS_FILE).read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    close = statistics.median(m["close_seconds"] + m["coordinator_apply_seconds"] for m in lines)
+    latencies.sort()
+    return {"n": n, "close_s": close, "frames_per_s": n / close, "mb_per_s": n * len(base) / close / 1e6,
+            "push_p50_s": latencies[len(latencies) // 2], "push_p99_s": latencies[int(0.99 * (len(latencies) - 1))],
+            "peak_rss_mb": rss, "download_bytes_per_worker": lines[-1]["download_bytes_per_worker"]}
+
+
+def zero_params(layout: Layout) -> list[torch.Tensor]:
+    """The layout's parameters, zero, as views of one huge-page buffer (no second copy)."""
+    buf, out, off = huge_page_buffer(layout.numel), [], 0
+    for spec in layout.specs:
+        out.append(buf[off:off + spec.numel].view(spec.shape))
+        off += spec.numel
+    return out
+
+
+def decode_apply_s(layout: Layout, base: bytes) -> float:
+    """One frame's decode_apply into the layout's parameters, median of five."""
+    params = zero_params(layout)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        decode_apply(params, base, layout, weight=1.0 / 64, alpha=-1.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a 3M-parameter layout, n = 2 and 4")
+    ap.add_argument("--serve", type=int, metavar="N", help=argparse.SUPPRESS)  # the coordinator process
+    ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        return serve(args.serve, args.run_dir, args.quick)
+    layout = layout_for(args.quick)
+    gen = torch.Generator().manual_seed(0)
+    deltas = [torch.randn(s.shape, generator=gen) * 1e-3 for s in layout.specs]
+    base = Compressor(layout).compress(deltas, round=0, sender=0)
+    del deltas
+    decode_frame(base, layout)  # compiled kernels ready
+    one = decode_apply_s(layout, base)
+    model_mb = layout.numel * 4 / 1e6
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="scale-") as tmp:
+        for n in QUICK_NS if args.quick else DEFAULT_NS:
+            rows.append(measure(n, base, args.quick, Path(tmp)))
+    print(f"layout {layout.numel:,} parameters ({model_mb:.0f} MB fp32), frame {len(base):,} bytes, "
+          f"decode_apply of one frame {one * 1e3:.1f} ms")
+    print(f"{'n':>4} {'close s':>8} {'target s':>9} {'frames/s':>9} {'MB/s':>7} {'push p50':>9} "
+          f"{'push p99':>9} {'peak RSS MB':>12} {'RSS target':>11} {'down/worker MB':>15}")
+    for r in rows:
+        r["close_target_s"] = 1.5 * r["n"] * one
+        r["rss_target_mb"] = model_mb + 2 * r["n"] * len(base) / 1e6 + RSS_SLACK_MB
+        print(f"{r['n']:>4} {r['close_s']:>8.3f} {r['close_target_s']:>9.3f} {r['frames_per_s']:>9.1f} "
+              f"{r['mb_per_s']:>7.1f} {r['push_p50_s']:>9.3f} {r['push_p99_s']:>9.3f} "
+              f"{r['peak_rss_mb']:>12.0f} {r['rss_target_mb']:>11.0f} "
+              f"{r['download_bytes_per_worker'] / 1e6:>15.1f}")
+    last = rows[-1]
+    print(json.dumps({"params": layout.numel, "frame_bytes": len(base), "decode_apply_s": one,
+                      "rows": rows, "close_ratio": last["close_s"] / last["close_target_s"],
+                      "rss_ratio": last["peak_rss_mb"] / last["rss_target_mb"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

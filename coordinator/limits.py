@@ -1,0 +1,168 @@
+"""What one caller may hold of the coordinator's server: concurrent calls per worker and
+RPC, failed Joins per peer (a token bucket), and how long a stream may sit idle before its
+next message (docs/security.md, "Hostile clients")."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+
+STREAMS_PER_WORKER = 2  # concurrent calls of one worker per RPC (a reconnect overlaps one)
+FAILED_JOIN_BURST = 5  # failed Joins a peer may make at once ...
+FAILED_JOINS_PER_S = 0.2  # ... and then one every 5 s
+FIRST_MESSAGE_S = 10.0  # a Push must send its header this soon after the call starts
+IDLE_MESSAGE_S = 60.0  # ... and each later chunk this soon after the one before
+LIMITER_PEERS = 10_000  # peers the Join limiter remembers (the oldest are forgotten)
+RPCS = ("FetchState", "Push", "Rounds")
+
+
+class LimitExceeded(Exception):
+    """A call refused because its caller already holds its share; gRPC RESOURCE_EXHAUSTED."""
+
+
+class StreamSlots:
+    """At most ``per_worker`` concurrent calls of each worker for each RPC."""
+
+    def __init__(self, per_worker: int = STREAMS_PER_WORKER) -> None:
+        self.per_worker = per_worker
+        self._held: dict[tuple[int, str], int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def acquire(self, worker: int, rpc: str) -> AbstractContextManager[None]:
+        """Take one of ``worker``'s slots for ``rpc`` now (LimitExceeded if none is
+        free); leaving the returned context gives it back."""
+        key = (worker, rpc)
+        with self._lock:
+            if self._held[key] >= self.per_worker:
+                raise LimitExceeded(f"worker {worker} already has {self._held[key]} {rpc} calls open "
+                                    f"(at most {self.per_worker})")
+            self._held[key] += 1
+        return self._release(key)
+
+    @contextmanager
+    def _release(self, key: tuple[int, str]) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held[key] -= 1
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(self._held.values())
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
+
+
+class JoinLimiter:
+    """Failed Joins per peer (its certificate, else its address): a token bucket of
+    ``burst`` that refills at ``per_s``. A peer with an empty bucket is refused every
+    Join, right token or not, until it refills; so guessing the token costs time."""
+
+    def __init__(self, burst: int = FAILED_JOIN_BURST, per_s: float = FAILED_JOINS_PER_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.per_s, self.clock = burst, per_s, clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def check(self, peer: str) -> None:
+        """LimitExceeded if ``peer`` has no failed Join left to spend."""
+        with self._lock:
+            bucket = self._refill(peer)
+            if bucket is not None and bucket.tokens < 1.0:
+                self.refused += 1
+                wait = (1.0 - bucket.tokens) / self.per_s
+                raise LimitExceeded(f"too many failed joins from {peer}; try again in {wait:.0f}s")
+
+    def failed(self, peer: str) -> None:
+        with self._lock:
+            bucket = self._refill(peer)
+            if bucket is None:
+                if len(self._buckets) >= LIMITER_PEERS:
+                    self._buckets.pop(next(iter(self._buckets)))
+                bucket = self._buckets[peer] = _Bucket(float(self.burst), self.clock())
+            bucket.tokens -= 1.0
+
+    def _refill(self, peer: str) -> _Bucket | None:
+        bucket = self._buckets.get(peer)
+        if bucket is not None:
+            now = self.clock()
+            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
+            bucket.at = now
+        return bucket
+
+
+@dataclass(order=True)
+class _Deadline:
+    at: float
+    seq: int
+    cancel: Callable[[], None] = field(compare=False)
+    live: bool = field(default=True, compare=False)
+
+
+class Watchdog:
+    """One thread that cancels calls whose next message is overdue (a blocked read of a
+    request stream has no timeout of its own in gRPC's synchronous server)."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Deadline] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="call-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, seconds: float, cancel: Callable[[], None]) -> _Deadline:
+        """Call ``cancel`` in ``seconds`` unless ``disarm`` comes first."""
+        deadline = _Deadline(time.monotonic() + seconds, next(self._seq), cancel)
+        with self._cond:
+            heapq.heappush(self._heap, deadline)
+            self._cond.notify()
+        return deadline
+
+    @staticmethod
+    def disarm(deadline: _Deadline) -> None:
+        deadline.live = False
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0].at > time.monotonic():
+                    self._cond.wait(timeout=self._heap[0].at - time.monotonic() if self._heap else None)
+                due = heapq.heappop(self._heap)
+            if due.live:
+                due.cancel()
+
+
+class IdleTimeout:
+    """A request stream read with a deadline per message: ``first_s`` for the first one,
+    ``idle_s`` for each next; an overdue message cancels the call (the read then raises
+    grpc.RpcError), and ``expired`` tells the reason apart."""
+
+    def __init__(self, watchdog: Watchdog, cancel: Callable[[], None],
+                 first_s: float = FIRST_MESSAGE_S, idle_s: float = IDLE_MESSAGE_S) -> None:
+        self.watchdog, self._cancel, self.idle_s = watchdog, cancel, idle_s
+        self.expired = False
+        self._deadline = watchdog.arm(first_s, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._cancel()
+
+    def fed(self) -> None:
+        """A message came: the next one has ``idle_s``."""
+        self.watchdog.disarm(self._deadline)
+        self._deadline = self.watchdog.arm(self.idle_s, self._expire)
+
+    def close(self) -> None:
+        self.watchdog.disarm(self._deadline)
