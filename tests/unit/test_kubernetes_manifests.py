@@ -236,3 +236,37 @@ def test_kubectl_kustomize_builds_the_same_objects(tmp_path) -> None:
         key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
         assert sorted(theirs, key=key) == sorted(build(KUBE / "overlays" / name), key=key), shlex.join(
             [kubectl, "kustomize", name])
+
+
+def secret_file(objects: list[dict[str, Any]], kind: str, path: str) -> tuple[str, int]:
+    """The Secret key a file path of the container reads, and the volume's file mode."""
+    (obj,) = by_kind(objects, kind)
+    spec = obj["spec"]["template"]["spec"]
+    mount = next(m for m in container(objects, kind)["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert "secret" in volume, f"{path} is not read from a Secret"
+    key = path[len(mount["mountPath"]) + 1:]
+    assert key in named(objects, "Secret", volume["secret"]["secretName"])["data"], path
+    return key, volume["secret"]["defaultMode"]
+
+
+def test_connections_are_tls_and_the_token_is_a_mounted_file(overlay) -> None:
+    """No plaintext, no token on a command line or in the environment; the Secret's files
+    are readable by the pod's own group and nobody else."""
+    objects = overlay[1]
+    wants = {"Deployment": ("--token-file", "--tls-cert", "--tls-key"), "StatefulSet": ("--token-file", "--tls-ca")}
+    for kind, flags in wants.items():
+        if not by_kind(objects, kind):
+            continue
+        c = container(objects, kind)
+        args, _ = mounted_config(objects, kind)
+        assert "--insecure" not in args and "--token" not in args
+        assert not any("TOKEN" in e["name"] for e in c.get("env", [])), c["env"]
+        for flag in flags:
+            _, mode = secret_file(objects, kind, args[args.index(flag) + 1])
+            assert mode & 0o007 == 0, oct(mode)
+        context = by_kind(objects, kind)[0]["spec"]["template"]["spec"]["securityContext"]
+        assert context["fsGroup"] == context["runAsGroup"] and context["runAsNonRoot"]
+        probe = c.get("readinessProbe", {}).get("exec", {}).get("command")
+        if probe:
+            secret_file(objects, kind, probe[probe.index("--tls-ca") + 1])
