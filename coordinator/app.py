@@ -22,7 +22,7 @@ from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import RunTotals, write_text_atomic
-from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
+from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
 from geoloco.coordinator.registry import WorkerRegistry
 from geoloco.coordinator.rounds import CodePolicy, RoundState
 from geoloco.coordinator.service import CoordinatorServicer
@@ -46,7 +46,6 @@ class Coordinator:
     """One run of the coordinator: its state, its round loop on a thread, its server."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
-        check_aggregation(cfg)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -59,6 +58,10 @@ class Coordinator:
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
         totals.extra.update(coding_summary(self.code))
+        note = aggregation_note(cfg)
+        if note is not None:
+            log.info(note)
+        totals.extra["aggregation"] = cfg.outer.aggregation if note is None else "sum (weighted)"
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s))
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,

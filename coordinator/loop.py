@@ -68,7 +68,8 @@ class RoundLoop:
         if rs is None:
             return  # stopping
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
-        closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
+        settlements = {i: self.policy.settlement(rs.decision, i) for i in range(self.cfg.workers)}
+        closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic())
             self.state.apply(update, closed)
@@ -142,15 +143,17 @@ class RoundLoop:
                  _fmt(totals.initial_val_loss), _fmt(totals.final_val_loss), path)
 
 
-def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:
-    """The broadcast of the closed round ``rs``: its header and the update's frames."""
+def round_result(rs: RoundState, update: Update, settlements: dict[int, pb.Settlement],
+                 finished: bool) -> ClosedRound:
+    """The broadcast of the closed round ``rs``: its header, the update's frames and what
+    each worker does with the error feedback of its own frame."""
     header = pb.RoundHeader(
         round=rs.round, aggregation=update.mode, alpha=update.alpha, finished=finished,
         arrived=sorted(rs.arrivals),
         frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
                 for f in update.frames],
     )
-    return ClosedRound(header, b"".join(f.data for f in update.frames))
+    return ClosedRound(header, b"".join(f.data for f in update.frames), settlements)
 
 
 def _fmt(value: float | None) -> str:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
-from geoloco.config import ConfigError, OuterConfig, RunConfig
+from geoloco.config import OuterConfig, RunConfig
 from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.replica import apply_round
 
@@ -46,26 +46,32 @@ def apply_update(params: list[Tensor], update: Update) -> None:
 
 
 def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str]:
-    """Weights and apply_frames mode that give the mean update.
+    """Weights and apply_frames mode of the round's update (docs/gradient-coding.md,
+    "Aggregation").
 
-    ``mean``: a_i / covered with mode ``sum``; ``mean_kept``: a_i with mode ``mean_kept``
-    (the codec divides each coordinate by the number of frames that kept it).
+    ``mean_kept`` where the chosen frames are disjoint plain sums of k partitions each
+    (``decision.disjoint``: B = I, FR): weights a_i / k with mode ``mean_kept``, so each
+    coordinate is the mean over the frames that kept it of their per-partition mean, which
+    is SparseLoCo's rule (and the mean over all covered partitions where every frame kept
+    it). Otherwise, and with ``mean``: the weighted sum a_i / covered with mode ``sum``.
     """
     coeffs = [a for _, a in sorted(decision.coefficients.items())]
-    if aggregation == "mean_kept":
-        return coeffs, "mean_kept"
+    if aggregation == "mean_kept" and decision.disjoint:
+        per_frame = decision.covered / len(coeffs)
+        return [a / per_frame for a in coeffs], "mean_kept"
     return [a / max(decision.covered, 1) for a in coeffs], "sum"
 
 
-def check_aggregation(cfg: RunConfig) -> None:
-    """``mean_kept`` divides each coordinate by the number of frames that kept it, which
-    is not the decoded sum of coded messages: only the uncoded ``none`` scheme allows it."""
-    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme != "none":
-        raise ConfigError(
-            f"outer.aggregation 'mean_kept' cannot decode coding.scheme {cfg.coding.scheme!r} "
-            "(the decoding coefficients need a weighted sum); use outer.aggregation 'mean', "
-            "or coding.scheme 'none'"
-        )
+def aggregation_note(cfg: RunConfig) -> str | None:
+    """What the run's rounds are aggregated by, where ``mean_kept`` cannot be exact: the
+    cyclic codes' chosen frames are weighted combinations that overlap, so their rounds
+    (and deadline rounds that are not one frame per partition group) take the weighted
+    sum. None when every decodable round uses the configured rule."""
+    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme.endswith("-cr"):
+        return (f"outer.aggregation 'mean_kept': coding.scheme {cfg.coding.scheme!r} decodes by a "
+                "weighted sum (cyclic codes' frames overlap, so a per-coordinate mean over keepers "
+                "is not exact); rounds are aggregated with mode 'sum'")
+    return None
 
 
 class OuterOptimizer(ABC):
@@ -115,9 +121,9 @@ class DiLoCoOuter(OuterOptimizer):
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         if not chosen:
             return Update([], "sum", 1.0)
-        weights, mode = mean_weights(decision, self.aggregation)
+        weights, _ = mean_weights(decision, "mean")  # dense frames keep every coordinate: the two rules agree
         frames = [arr.frame for arr, _ in chosen]
-        mean = aggregate(self.layout, frames, weights, mode=mode)
+        mean = aggregate(self.layout, frames, weights, mode="sum")
         change = self._nesterov(mean)
         data = encode_dense(self.layout, change, round=round, sender=COORDINATOR_SENDER, dtype="fp32")
         frame = decode_frame(data, self.layout)

@@ -21,7 +21,7 @@ from geoloco.compression import Frame, FrameError, Layout, decode_frame
 from geoloco.config import RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
-from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError
+from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError, worker_task
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
@@ -101,13 +101,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
 
     def task_for(self, worker: int, round: int) -> pb.WorkerTask:
         """What ``worker`` trains and sends in ``round`` (the gradient code decides)."""
-        if round >= self.cfg.rounds or worker >= self.code.n:
-            return pb.WorkerTask(round=round)
-        coeffs = self.code.coefficients(worker)
-        return pb.WorkerTask(
-            round=round, train_partitions=self.code.partition_at(worker, round),
-            send_partitions=[j for j, _ in coeffs], send_coefficients=[c for _, c in coeffs],
-        )
+        return worker_task(self.code, worker, round, self.cfg.rounds)
 
     def FetchState(self, request: pb.FetchStateRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.StateChunk]:
@@ -244,6 +238,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
+        if worker in closed.settlements:
+            header.settlement.CopyFrom(closed.settlements[worker])
         yield pb.RoundUpdate(header=header)
         view, start = memoryview(closed.data), 0
         for info in closed.header.frames:

@@ -69,7 +69,7 @@ class Training:
             raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
         straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
-        encoder = FrameEncoder(layout, cfg.compression)
+        encoder = FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none")
         encoder.warm_up()
         return cls(cfg, trainer, layout, encoder, straggler)
 
@@ -215,6 +215,8 @@ class Worker:
             return self.resync(header)
         self.counters.bytes_received += result.nbytes
         self.counters.rounds_applied += 1
+        if self.outbox is not None and self.outbox.round == header.round:
+            self.training.encoder.settle(header.settlement, self.outbox.frame, result.applied)
         log.info("round %d applied: %d frames from %s in %.2fs", header.round, len(header.frames),
                  list(header.arrived), self.apply_s)
         self.round, self.task, self.outbox = header.round + 1, header.next_task, None
