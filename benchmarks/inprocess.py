@@ -87,7 +87,7 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
     layout = Layout.from_named_tensors(model.named_parameters())
     code = code or make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
     policy = CodePolicy(code)
-    outer = make_outer(cfg.compression.method, layout, cfg.outer)
+    outer = make_outer(cfg.compression.method, layout, cfg.outer, cfg.compression.dense_dtype)
     undoable = cfg.coding.scheme != "none"
     workers = [SimWorker(InnerTrainer(task, cfg.inner, cfg.rounds, torch.device("cpu")),
                          FrameEncoder(layout, cfg.compression, undoable=undoable)) for _ in range(cfg.workers)]

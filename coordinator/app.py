@@ -52,7 +52,7 @@ class Coordinator:
         model = task.make_model().to("cpu", torch.float32)
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
-        outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
+        outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
         registry = WorkerRegistry(cfg.workers, cfg.coordinator.token)
         start_round, totals = 0, RunTotals()
         if resume:

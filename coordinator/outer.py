@@ -1,6 +1,7 @@
 """Outer optimizers: SparseLoCo's outer SGD (Sarfi et al. 2025, arXiv 2508.15706; the
 workers' frames are broadcast as they are) and DiLoCo's Nesterov SGD (Douillard et al.
-2023, arXiv 2311.08105; one dense fp32 frame of the parameter change is broadcast)."""
+2023, arXiv 2311.08105; one dense frame of the parameter change is broadcast, fp32 or bf16
+as the workers send theirs)."""
 
 from __future__ import annotations
 
@@ -111,11 +112,13 @@ class SparseLoCoOuter(OuterOptimizer):
 
 class DiLoCoOuter(OuterOptimizer):
     """Nesterov SGD on the mean dense pseudo-gradient U, momentum kept here (PyTorch's
-    convention: m = mu*m + U; change = -lr * (U + mu*m)), broadcast as one dense fp32 frame
-    applied with weight 1 and alpha 1."""
+    convention: m = mu*m + U; change = -lr * (U + mu*m)), broadcast as one dense frame in
+    ``dense_dtype`` (every replica, this one included, applies the frame as decoded, with
+    weight 1 and alpha 1)."""
 
-    def __init__(self, layout: Layout, cfg: OuterConfig) -> None:
+    def __init__(self, layout: Layout, cfg: OuterConfig, dense_dtype: str = "fp32") -> None:
         super().__init__(layout, cfg)
+        self.dense_dtype = dense_dtype
         self.buffers: list[Tensor] | None = None
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
@@ -125,7 +128,7 @@ class DiLoCoOuter(OuterOptimizer):
         frames = [arr.frame for arr, _ in chosen]
         mean = aggregate(self.layout, frames, weights, mode="sum")
         change = self._nesterov(mean)
-        data = encode_dense(self.layout, change, round=round, sender=COORDINATOR_SENDER, dtype="fp32")
+        data = encode_dense(self.layout, change, round=round, sender=COORDINATOR_SENDER, dtype=self.dense_dtype)
         frame = decode_frame(data, self.layout)
         return Update([UpdateFrame(COORDINATOR_SENDER, 1.0, data, frame)], "sum", 1.0)
 
@@ -148,10 +151,11 @@ class DiLoCoOuter(OuterOptimizer):
         self.buffers = [b.clone() for b in buffers] if buffers is not None else None
 
 
-def make_outer(method: str, layout: Layout, cfg: OuterConfig) -> OuterOptimizer:
-    """The outer optimizer for ``compression.method`` (sparseloco | diloco)."""
+def make_outer(method: str, layout: Layout, cfg: OuterConfig, dense_dtype: str = "fp32") -> OuterOptimizer:
+    """The outer optimizer for ``compression.method`` (sparseloco | diloco; DiLoCo
+    broadcasts in ``compression.dense_dtype``)."""
     if method == "sparseloco":
         return SparseLoCoOuter(layout, cfg)
     if method == "diloco":
-        return DiLoCoOuter(layout, cfg)
+        return DiLoCoOuter(layout, cfg, dense_dtype)
     raise ValueError(f"compression.method {method!r} is not one of sparseloco, diloco")

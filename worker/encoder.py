@@ -48,12 +48,15 @@ class FrameEncoder:
         if settlement.kind == kinds.RESTORE:
             self.compressor.restore()
             return
-        self.compressor.add_frame(decode_frame(own, self.layout), 1.0)
+        frame = decode_frame(own, self.layout)
         if settlement.kind == kinds.CREDIT:
             mate = next((f for f in applied if f.sender == settlement.sender), None)
             if mate is None:
                 raise ValueError(f"settlement credits worker {settlement.sender}'s frame, which the round did not apply")
+            if same_values(frame, mate):
+                return  # the usual case: the same message from the same parameters, the same frame
             self.compressor.add_frame(mate, -1.0)
+        self.compressor.add_frame(frame, 1.0)
 
     def warm_up(self) -> None:
         """Compress, decode and apply a small stand-in model once, so the codec's compiled
@@ -70,6 +73,12 @@ class FrameEncoder:
         params = [torch.zeros(s.shape) for s in layout.specs]
         apply_round(params, [frame, frame], [0.5, 0.5], "sum", -1.0)
         log.info("codec kernels ready in %.2fs", time.monotonic() - start)
+
+
+def same_values(a: Frame, b: Frame) -> bool:
+    """Whether two sparse frames keep the same coordinates with the same values."""
+    return all(torch.equal(i, j) and torch.equal(x, y)
+               for i, j, x, y in zip(a.indices, b.indices, a.values, b.values, strict=True))
 
 
 def _compressor(layout: Layout, comp: CompressionConfig, undoable: bool = False) -> Compressor:

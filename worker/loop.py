@@ -27,7 +27,7 @@ from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
-from geoloco.worker.stragglers import StragglerModel, make_straggler
+from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
 from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
 from geoloco.worker.trainer import InnerTrainer, describe_device, resolve_device
 
@@ -174,10 +174,11 @@ class Worker:
         return ok
 
     def emulate_straggler(self, trained: Trained) -> None:
+        """A slower worker's extra compute, spent computing (the core stays busy)."""
         delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
         if delay > 0:
-            log.info("round %d: straggler emulation sleeps %.2fs", self.round, delay)
-            time.sleep(delay)
+            log.info("round %d: straggler emulation computes %.2fs more", self.round, delay)
+            occupy(delay)
 
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""
