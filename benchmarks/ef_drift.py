@@ -28,7 +28,7 @@ compressor (``FrameEncoder``: density 64/4096, beta 0.95) and are settled by
 draws s of them afresh each round, ``fixed`` keeps the same s; the others arrive in a
 random order, and the round closes at the first decodable prefix.
 
-    python -m benchmarks.ef_drift            # 11 codes x 2 straggler patterns, ~2-4 min on 2 cores
+    python -m benchmarks.ef_drift            # 13 codes x 2 straggler patterns, ~2-4 min on 2 cores
     python -m benchmarks.ef_drift --quick    # 3 codes, 6 rounds: a smoke test
 
 Target: under every coded scheme, drift after <= 1.1 x the uncoded (``none``) drift.
@@ -54,9 +54,9 @@ SHAPE = (256, 256)
 ROUNDS = 24
 TARGET = 1.10  # coded drift / uncoded drift
 CASES = (("none", 4, 0), ("ignore", 4, 1), ("gc-fr", 4, 1), ("gc-cr", 4, 1), ("pgc-fr", 4, 1),
-         ("pgc-cr", 4, 1), ("ignore", 8, 3), ("gc-fr", 8, 3), ("gc-cr", 8, 3), ("pgc-fr", 8, 3),
-         ("pgc-cr", 8, 3))
-QUICK_CASES = (("none", 4, 0), ("pgc-fr", 4, 1), ("pgc-cr", 4, 1))
+         ("pgc-cr", 4, 1, False), ("pgc-cr", 4, 1, True), ("ignore", 8, 3), ("gc-fr", 8, 3), ("gc-cr", 8, 3),
+         ("pgc-fr", 8, 3), ("pgc-cr", 8, 3, False), ("pgc-cr", 8, 3, True))
+QUICK_CASES = (("none", 4, 0), ("pgc-fr", 4, 1), ("pgc-cr", 4, 1, False))
 PATTERNS = ("random", "fixed")
 
 
@@ -66,10 +66,12 @@ class Case:
     n: int
     s: int
     pattern: str
+    aligned: bool | None = None  # pgc-cr: aligned ages or the cyclic orders
 
     @property
     def name(self) -> str:
-        return f"{self.scheme} n={self.n} s={self.s}"
+        ages = "" if self.aligned is None else " aligned" if self.aligned else " cyclic"
+        return f"{self.scheme}{ages} n={self.n} s={self.s}"
 
 
 def close(policy: CodePolicy, order: list[int]) -> Decision:
@@ -96,7 +98,7 @@ def owed(code: GradientCode, encoders: list[FrameEncoder], coefficients: list[se
 
 def run(case: Case, settle: bool, beta: float, rounds: int, seed: int = 0) -> tuple[float, float | None]:
     """(drift, leak) of one case; leak is |sum (T - U) - owed| / |sum T| (None: not defined)."""
-    code = make_code(case.scheme, case.n, case.s)
+    code = make_code(case.scheme, case.n, case.s, aligned=case.aligned)
     policy = CodePolicy(code)
     layout = Layout.from_named_tensors([("w", torch.zeros(SHAPE))])
     comp = CompressionConfig(ef_beta=beta)
@@ -143,7 +145,7 @@ def measure(cases: list[Case], rounds: int) -> list[dict]:
         leak_after = run(case, settle=True, beta=1.0, rounds=rounds)[1]
         rows.append({"case": case.name, "pattern": case.pattern, "drift_before": before,
                      "drift_after": after, "leak_before": leak_before, "leak_after": leak_after})
-        print(f"  {case.pattern:<7}{case.name:<16} before {before:.3f}  after {after:.3f}", flush=True)
+        print(f"  {case.pattern:<7}{case.name:<23} before {before:.3f}  after {after:.3f}", flush=True)
     return rows
 
 
@@ -151,12 +153,12 @@ def table(rows: list[dict], uncoded: dict[str, float]) -> str:
     def fmt(x: float | None) -> str:
         return f"{x:>9.3f}" if x is not None else f"{'-':>9}"
 
-    lines = [f"{'pattern':<8}{'scheme':<17}{'before':>9}{'after':>9}{'x none':>9}"
+    lines = [f"{'pattern':<8}{'scheme':<24}{'before':>9}{'after':>9}{'x none':>9}"
              f"{'leak b.':>9}{'leak a.':>9}  target"]
     for r in rows:
         ratio = r["drift_after"] / uncoded[r["pattern"]]
         met = "-" if r["case"].startswith("none") else ("met" if ratio <= TARGET else "NOT met")
-        lines.append(f"{r['pattern']:<8}{r['case']:<17}{fmt(r['drift_before'])}{fmt(r['drift_after'])}"
+        lines.append(f"{r['pattern']:<8}{r['case']:<24}{fmt(r['drift_before'])}{fmt(r['drift_after'])}"
                      f"{ratio:>9.3f}{fmt(r['leak_before'])}{fmt(r['leak_after'])}  {met}")
     return "\n".join(lines)
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     specs, rounds = (QUICK_CASES, 6) if args.quick else (CASES, ROUNDS)
-    cases = [Case(*spec, pattern) for pattern in PATTERNS for spec in specs]
+    cases = [Case(*spec[:3], pattern, *spec[3:]) for pattern in PATTERNS for spec in specs]
     rows = measure(cases, rounds)
     uncoded = {r["pattern"]: r["drift_after"] for r in rows if r["case"].startswith("none")}
     print(f"drift = |sum_t (U_t - T_t)| / |sum_t T_t| over {rounds} rounds; leak: beta = 1, what the "

@@ -320,7 +320,8 @@ def _batch_worst(B: np.ndarray, sets: np.ndarray) -> float:
 
 def make_code(scheme: str, n: int, s: int, seed: int = 0, aligned: bool | None = None) -> GradientCode:
     """The gradient code ``scheme`` (one of SCHEMES) for n workers tolerating s stragglers.
-    ``aligned`` (CR only): aligned ages; None picks them for pgc-cr wherever (s + 1) | n."""
+    ``aligned`` (CR only): the aligned training orders, which need (s + 1) | n; None or
+    False: the cyclic orders."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown gradient-coding scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
     n = _integer("n (workers)", n)
@@ -347,7 +348,8 @@ def _integer(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-REPORT_CASES = ((4, 1), (6, 2), (8, 1), (8, 3), (10, 2), (12, 3), (16, 3), (24, 4))
+REPORT_CASES = ((4, 1), (6, 2), (8, 1), (8, 2), (8, 3), (10, 2), (12, 3), (16, 3), (24, 4))
+AGE_REPORT_MAX_N = 12  # per-age weights are reported up to this n (every set, every phase)
 
 
 def report(cases: Sequence[tuple[int, int]] = REPORT_CASES, seed: int = 0) -> str:
@@ -367,6 +369,16 @@ def report(cases: Sequence[tuple[int, int]] = REPORT_CASES, seed: int = 0) -> st
             f"{n:>4} {s:>3} {math.comb(n, s):>7} {min(worst):>10.3g} "
             f"{float(np.median(worst)):>10.3g} {max(worst):>10.3g}  {checked}"
         )
+    lines += ["", "pgc-cr decode weights per (partition, age), over every straggler set and pipeline phase",
+              f"{'n':>4} {'s':>3}  {'ages':<8} {'worst |a|':>10} {'min':>9} {'max':>9}"]
+    for n, s in cases:
+        if n > AGE_REPORT_MAX_N:
+            continue
+        for aligned in (False, True) if n % (s + 1) == 0 else (False,):
+            code = make_code("pgc-cr", n, s, seed, aligned=aligned)
+            low, high = age_weight_range(code)
+            lines.append(f"{n:>4} {s:>3}  {'aligned' if aligned else 'cyclic':<8} "
+                         f"{code.worst_case_coefficient:>10.3g} {low:>9.3g} {high:>9.3g}")
     return "\n".join(lines)
 
 
