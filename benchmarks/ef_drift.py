@@ -44,10 +44,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from benchmarks.inprocess import close
 from geoloco.compression import Layout, decode_frame
 from geoloco.config import CompressionConfig
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
-from geoloco.coordinator.rounds import CodePolicy, Decision
+from geoloco.coordinator.rounds import CodePolicy
 from geoloco.worker.encoder import FrameEncoder
 
 SHAPE = (256, 256)
@@ -72,15 +73,6 @@ class Case:
     def name(self) -> str:
         ages = "" if self.aligned is None else " aligned" if self.aligned else " cyclic"
         return f"{self.scheme}{ages} n={self.n} s={self.s}"
-
-
-def close(policy: CodePolicy, order: list[int]) -> Decision:
-    """The decision at the first arrival that makes the set decodable."""
-    for k in range(1, len(order) + 1):
-        decision = policy.decide(sorted(order[:k]), deadline_passed=False)
-        if decision is not None:
-            return decision
-    raise RuntimeError(f"arrival order {order} never decodes")
 
 
 def owed(code: GradientCode, encoders: list[FrameEncoder], coefficients: list[set[float]]) -> torch.Tensor | None:

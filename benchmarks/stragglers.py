@@ -16,8 +16,9 @@ data); schemes ``none`` (wait for all) and ``pgc-fr`` by default. The loss figur
 final validation loss after the same rounds, relative to ``none`` of the same case and
 seed. The load average is recorded beside each run.
 
-    .venv/bin/python -m benchmarks.stragglers            # 18 runs, ~20-30 min on 2 cores
-    .venv/bin/python -m benchmarks.stragglers --quick    # smoke test: 2 workers, 4 rounds
+    .venv/bin/python -m benchmarks.stragglers            # 18 runs, ~50 min on a busy 2-core machine
+    .venv/bin/python -m benchmarks.stragglers --rounds 8 --block 2   # ~2/3 of that
+    .venv/bin/python -m benchmarks.stragglers --quick    # smoke test: 2 workers, 6 rounds
 
 Prints a table per case (mean and sample standard deviation over seeds), writes a PNG of
 round times, and ends with one JSON line. Targets: ``pgc-fr`` x base <= 1.15 at n = 4 and
@@ -33,7 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -121,11 +122,11 @@ def mean_sd(values: list[float]) -> tuple[float, float]:
 
 
 def case_table(name: str, rows: dict[str, dict[str, tuple[float, float]]]) -> str:
-    lines = [name, f"{'scheme':<8}{'base s':>14}{'straggler s':>14}{'x base':>14}{'loss vs none':>16}"]
+    lines = [name, f"{'scheme':<8}{'base s':>16}{'straggler s':>16}{'x base':>16}{'loss vs none':>18}"]
     for scheme, f in rows.items():
         cells = [f"{f[k][0]:.3f} ± {f[k][1]:.3f}" for k in ("base_round_s", "straggler_round_s", "x_base")]
         loss = f"{100 * f['loss_vs_none'][0]:+.2f} ± {100 * f['loss_vs_none'][1]:.2f}%"
-        lines.append(f"{scheme:<8}" + "".join(f"{c:>14}" for c in cells) + f"{loss:>16}")
+        lines.append(f"{scheme:<8}" + "".join(f"{c:>16}" for c in cells) + f"{loss:>18}")
     return "\n".join(lines)
 
 
@@ -198,12 +199,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schemes", default="none,pgc-fr",
                         help="comma-separated schemes, none included (default: none,pgc-fr)")
     parser.add_argument("--seeds", type=int, help="seeds per case (default 3)")
+    parser.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL.rounds})")
+    parser.add_argument("--block", type=int, help=f"rounds per fast or slow block (default {FULL.block})")
     parser.add_argument("--work-dir", type=Path, help="keep the run directories here")
     parser.add_argument("--plot", type=Path, default=PLOT, help=f"PNG to write (default {PLOT})")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    if args.seeds:
-        settings = Settings(settings.cases, settings.rounds, settings.block, settings.inner_steps, args.seeds)
+    settings = replace(settings, **{k: v for k, v in (("seeds", args.seeds), ("rounds", args.rounds),
+                                                       ("block", args.block)) if v})
+    if settings.block < 2 or settings.rounds < 2 * settings.block:
+        parser.error("--block must be >= 2 and --rounds >= 2 x --block (fast rounds, then a slow block)")
     with tempfile.TemporaryDirectory(prefix="geoloco-stragglers-") as tmp:
         work = args.work_dir or Path(tmp)
         result = run(settings, work, parse_schemes(args.schemes), None if args.quick else args.plot)

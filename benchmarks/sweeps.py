@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny runs, no plots: checks the plumbing only")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--img-dir", type=Path, default=IMG)
+    p.add_argument("--steps-per-worker", type=int, default=Regime.steps_per_worker,
+                   help="inner steps each worker takes over a run (a multiple of 60 keeps every H whole)")
     args = p.parse_args(argv)
-    sweeps, regime = (QUICK_SWEEPS, QUICK) if args.quick else (SWEEPS, Regime())
+    sweeps, regime = (QUICK_SWEEPS, QUICK) if args.quick else (SWEEPS, Regime(steps_per_worker=args.steps_per_worker))
     todo = points(sweeps)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         loss = dict(zip(todo, pool.map(run_point, [(pt, regime) for pt in todo]), strict=True))
