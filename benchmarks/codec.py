@@ -141,6 +141,7 @@ def design_table(layout: Layout) -> list[tuple[str, str, int, float, float]]:
     for kind, deltas in data.items():
         for label, kw in [("table=chunk index=rice", {}),
                           ("table=tensor index=rice", {"table": "tensor"}),
+                          ("table=bins index=rice", {"table": "bins"}),
                           ("table=chunk index=fixed", {"index_coding": "fixed"}),
                           ("table=chunk index=rice zstd", {"zstd": True})]:
             err, ref, nbytes = quant_error(layout, deltas, **kw)

@@ -55,7 +55,7 @@ def seed_frames(layout: Layout) -> list[bytes]:
     deltas = [torch.randn(s.shape, generator=g) for s in layout.specs]
     frames = []
     for coding in ("rice", "fixed"):
-        for table in ("chunk", "tensor"):
+        for table in ("chunk", "tensor", "bins"):
             for zstd in (False, True):
                 c = Compressor(layout, density=1 / 16, tile=16, index_coding=coding, table=table, zstd=zstd)
                 frames.append(c.compress(deltas, round=3, sender=1))

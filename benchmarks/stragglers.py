@@ -1,24 +1,28 @@
-"""Gradient coding against stragglers, all six schemes side by side (Tandon et al. 2017,
-"Gradient Coding"; Su and Li 2026, "Pipelined gradient coding", arXiv 2607.20739).
+"""Gradient coding against a straggler, measured fairly (Tandon et al. 2017, "Gradient
+Coding"; Su and Li 2026, "Pipelined gradient coding", arXiv 2607.20739).
 
 Each run is a real ``geoloco local`` job (coordinator + n worker processes on loopback,
-unlimited links, gpt-tiny): first with one worker slowed 4x (``fixed:4``), then with every
-worker drawing a shifted-exponential extra delay, and once without stragglers (``none``)
-for ``no_straggler_round_s``. The regime is compute-bound so that the slow-down matters.
+unlimited links, gpt-tiny, compute-bound rounds). Worker 0 is 4x slower in every other
+block of ``BLOCK`` rounds (straggler profile ``blocks:4:BLOCK``) and as fast as the others
+in the rest, so every run measures its own no-straggler rounds beside its straggler
+rounds, under the same machine load: ``x base`` is the mean straggler round over the mean
+no-straggler round of the same run. The straggler spends its extra time computing (the
+worker's ``occupy``), so its core stays busy as a slower worker's compute would. Round 0
+(first codec calls; pipelined: the warm-up on every held partition) and the first round
+after each slow block (the straggler may still be finishing) are left out of the means.
 
-    .venv/bin/python -m benchmarks.stragglers            # ~6-10 min on 2 cores
-    .venv/bin/python -m benchmarks.stragglers --quick    # smoke test: tiny settings
+Cases: n = 4, s = 1; n = 8, s = 1; n = 8, s = 3; seeds 0..SEEDS-1 each (model init and
+data); schemes ``none`` (wait for all) and ``pgc-fr`` by default. The loss figure is the
+final validation loss after the same rounds, relative to ``none`` of the same case and
+seed. The load average is recorded beside each run.
 
-Prints a table per straggler model, writes a PNG of validation loss against wall time,
-and ends with one JSON line keyed by scheme (figures of the fixed:4 model, the
-shifted-exponential ones nested under ``shifted_exponential``) plus
-``no_straggler_round_s``. Round times, wall time and ``partitions_per_worker_round``
-are taken after round 0, which pays the workers' one-time costs (first compression call,
-allocator warm-up) and, pipelined, the warm-up on all held partitions.
-``partitions_per_worker_round`` is the steady state: the mean
-over rounds 1.. of the partitions each arrived worker trained (round 0 of a pipelined
-scheme is the warm-up on all s + 1). ``loss_equal_time`` interpolates each run's
-validation loss at the wall time of the shortest run of the same straggler model.
+    .venv/bin/python -m benchmarks.stragglers            # 18 runs, ~50 min on a busy 2-core machine
+    .venv/bin/python -m benchmarks.stragglers --rounds 8 --block 2   # ~2/3 of that
+    .venv/bin/python -m benchmarks.stragglers --quick    # smoke test: 2 workers, 6 rounds
+
+Prints a table per case (mean and sample standard deviation over seeds), writes a PNG of
+round times, and ends with one JSON line. Targets: ``pgc-fr`` x base <= 1.15 at n = 4 and
+n = 8; its loss within 2 % of ``none``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,30 +43,25 @@ from geoloco.config import SCHEMES
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "stragglers.png"
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 900
+ROUND_TARGET = 1.15
+LOSS_TARGET = 0.02
 
 
 @dataclass(frozen=True)
 class Settings:
-    """One benchmark size: the model's task settings and the straggler models."""
-
-    workers: int
+    cases: tuple[tuple[int, int], ...]  # (n, s)
     rounds: int
+    block: int  # rounds per block: fast, slow, fast, slow, ...
     inner_steps: int
-    models: dict[str, str]  # model name -> straggler profile of every worker
-    slow: str = "fixed:4"  # the profile of worker 0 in the ``fixed`` model
-
-    def profiles(self, model: str) -> str:
-        if model == "fixed":
-            return ",".join([self.slow] + ["none"] * (self.workers - 1))
-        return ",".join([self.models[model]] * self.workers)
+    seeds: int
+    factor: float = 4.0
 
 
 # gpt-tiny, 32-token sequences, batches of 8: one partition's H = 8 steps take ~0.5-1 s on
 # a busy core, well above the round's fixed costs (validation, codec, loopback gRPC).
-FULL = Settings(workers=4, rounds=10, inner_steps=8,
-                models={"fixed": "", "shifted_exponential": "exp:0.1:1.0"})
-QUICK = Settings(workers=2, rounds=2, inner_steps=2, models={"fixed": ""})
+FULL = Settings(cases=((4, 1), (8, 1), (8, 3)), rounds=12, block=3, inner_steps=8, seeds=3)
+QUICK = Settings(cases=((2, 1),), rounds=6, block=2, inner_steps=2, seeds=1)
 TASK = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
     "task.val_batches": "4", "task.corpus_bytes": "300000", "inner.warmup_steps": "4",
@@ -71,99 +71,80 @@ TASK = {
 
 @dataclass
 class RunResult:
-    """One run's per-round figures, read from its metrics.jsonl and summary.json."""
+    """One run's per-round figures (metrics.jsonl) and the machine's load around it."""
 
     scheme: str
     round_seconds: list[float]
     val_loss: list[float]
-    partitions: list[float]  # per round: mean partitions trained by the arrived workers
+    load: tuple[float, float]  # 1-minute load average before and after the run
 
-    @property
-    def steady_seconds(self) -> np.ndarray:
-        """Round seconds after round 0 (round 0 also pays the workers' first-call costs)."""
-        return np.asarray(self.round_seconds[1:] or self.round_seconds)
+    def is_slow(self, r: int, s: Settings) -> bool:
+        return (r // s.block) % 2 == 1
 
-    @property
-    def wall(self) -> np.ndarray:
-        """Seconds since round 1 opened at the end of rounds 0, 1, ... (back to back)."""
-        return np.concatenate([[0.0], np.cumsum(self.round_seconds[1:])])
+    def split(self, s: Settings) -> tuple[list[float], list[float]]:
+        """(no-straggler rounds, straggler rounds), without round 0 and the first round
+        after each slow block."""
+        fast, slow = [], []
+        for r, sec in enumerate(self.round_seconds):
+            after_slow = r > 0 and self.is_slow(r - 1, s) and not self.is_slow(r, s)
+            if r == 0 or after_slow:
+                continue
+            (slow if self.is_slow(r, s) else fast).append(sec)
+        return fast, slow
 
-    def loss_at(self, seconds: float) -> float:
-        return float(np.interp(seconds, self.wall, self.val_loss))
-
-    def figures(self, equal_time_s: float) -> dict[str, float]:
-        rs = self.steady_seconds
-        return {"round_s_mean": float(rs.mean()), "round_s_p95": float(np.percentile(rs, 95)),
-                "partitions_per_worker_round": float(np.mean(self.partitions[1:] or self.partitions)),
-                "loss_equal_rounds": self.val_loss[-1], "loss_equal_time": self.loss_at(equal_time_s)}
+    def figures(self, s: Settings) -> dict[str, float]:
+        fast, slow = self.split(s)
+        return {"base_round_s": float(np.mean(fast)), "straggler_round_s": float(np.mean(slow)),
+                "x_base": float(np.mean(slow) / np.mean(fast)), "final_val_loss": self.val_loss[-1]}
 
 
-def run_scheme(scheme: str, profiles: str, s: Settings, run_dir: Path, reuse: bool = False) -> RunResult:
+def run_scheme(scheme: str, n: int, stragglers: int, seed: int, s: Settings, run_dir: Path) -> RunResult:
     """One ``geoloco local`` run; raises RuntimeError with the log tail when it fails."""
-    stragglers = "0" if scheme == "none" else "1"
-    args = [sys.executable, "-m", "geoloco.cli", "local", "--workers", str(s.workers),
-            "--rounds", str(s.rounds), "--wan", "unlimited", "--run-dir", str(run_dir),
-            "--scheme", scheme, "--stragglers", stragglers, "--straggler", profiles,
-            "--inner-steps", str(s.inner_steps), "--stall-timeout", "300"]
+    profiles = ",".join([f"blocks:{s.factor:g}:{s.block}"] + ["none"] * (n - 1))
+    args = [sys.executable, "-m", "geoloco.cli", "local", "--workers", str(n), "--rounds", str(s.rounds),
+            "--wan", "unlimited", "--run-dir", str(run_dir), "--scheme", scheme,
+            "--stragglers", "0" if scheme == "none" else str(stragglers), "--straggler", profiles,
+            "--inner-steps", str(s.inner_steps), "--stall-timeout", "300", "--set", f"seed={seed}"]
     for key, value in TASK.items():
         args += ["--set", f"{key}={value}"]
-    if reuse and (run_dir / "summary.json").exists():
-        return read_run(scheme, run_dir)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    before = os.getloadavg()[0]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=RUN_TIMEOUT_S)
     if proc.returncode != 0:
-        raise RuntimeError(f"{scheme} ({profiles}) failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return read_run(scheme, run_dir)
-
-
-def read_run(scheme: str, run_dir: Path) -> RunResult:
+        raise RuntimeError(f"{scheme} n={n} seed={seed} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return RunResult(scheme, [m["round_seconds"] for m in lines], [m["val_loss"] for m in lines],
-                     [m["partitions_per_worker_round"] for m in lines])
+                     (before, os.getloadavg()[0]))
 
 
-def run_model(model: str, s: Settings, work: Path, schemes: list[str], reuse: bool) -> dict[str, RunResult]:
-    profiles = s.profiles(model)
-    print(f"# {model}: straggler profiles {profiles}", flush=True)
-    results = {}
-    for scheme in schemes:
-        results[scheme] = run_scheme(scheme, profiles, s, work / f"{model}-{scheme}", reuse)
-        r = results[scheme]
-        print(f"  {scheme:<7} {len(r.round_seconds)} rounds, {r.wall[-1]:.1f}s after round 0, "
-              f"val loss {r.val_loss[-1]:.4f}", flush=True)
-    return results
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def model_figures(results: dict[str, RunResult]) -> dict[str, dict[str, float]]:
-    """Per scheme, with the equal-time loss taken at the shortest run's wall time."""
-    equal_time = min(r.wall[-1] for r in results.values())
-    return {scheme: r.figures(equal_time) for scheme, r in results.items()}
+def case_table(name: str, rows: dict[str, dict[str, tuple[float, float]]]) -> str:
+    lines = [name, f"{'scheme':<8}{'base s':>16}{'straggler s':>16}{'x base':>16}{'loss vs none':>18}"]
+    for scheme, f in rows.items():
+        cells = [f"{f[k][0]:.3f} ± {f[k][1]:.3f}" for k in ("base_round_s", "straggler_round_s", "x_base")]
+        loss = f"{100 * f['loss_vs_none'][0]:+.2f} ± {100 * f['loss_vs_none'][1]:.2f}%"
+        lines.append(f"{scheme:<8}" + "".join(f"{c:>16}" for c in cells) + f"{loss:>18}")
+    return "\n".join(lines)
 
 
-def table(model: str, figures: dict[str, dict[str, float]], baseline_s: float) -> str:
-    rows = [f"{model} (no-straggler round {baseline_s:.2f}s)",
-            f"{'scheme':<8}{'round s':>9}{'p95 s':>8}{'x base':>8}{'parts/w/r':>11}"
-            f"{'loss@rounds':>13}{'loss@time':>11}"]
-    for scheme, f in figures.items():
-        rows.append(f"{scheme:<8}{f['round_s_mean']:>9.2f}{f['round_s_p95']:>8.2f}"
-                    f"{f['round_s_mean'] / baseline_s:>8.2f}{f['partitions_per_worker_round']:>11.2f}"
-                    f"{f['loss_equal_rounds']:>13.4f}{f['loss_equal_time']:>11.4f}")
-    return "\n".join(rows)
-
-
-def plot(runs: dict[str, dict[str, RunResult]], baseline: RunResult, path: Path) -> None:
+def plot(runs: dict[str, dict[str, RunResult]], s: Settings, path: Path) -> None:
+    """Round times of seed 0, one panel per case; slow blocks shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.2), squeeze=False)
-    for ax, (model, results) in zip(axes[0], runs.items(), strict=True):
-        for scheme, r in results.items():
-            ax.plot(r.wall, r.val_loss, marker=".", label=scheme)
-        ax.plot(baseline.wall, baseline.val_loss, "k--", label="none, no straggler")
-        ax.set(title=f"stragglers: {model}", xlabel="wall time after round 0 (s)",
-               ylabel="validation loss")
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 3.8), squeeze=False)
+    for ax, (case, results) in zip(axes[0], runs.items(), strict=True):
+        for r in range(s.rounds):
+            if (r // s.block) % 2 == 1:
+                ax.axvspan(r - 0.5, r + 0.5, color="0.9")
+        for scheme, res in results.items():
+            ax.plot(range(len(res.round_seconds)), res.round_seconds, marker=".", label=scheme)
+        ax.set(title=f"{case}: worker 0 4x slow in shaded rounds", xlabel="round", ylabel="round seconds")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -172,58 +153,65 @@ def plot(runs: dict[str, dict[str, RunResult]], baseline: RunResult, path: Path)
     plt.close(fig)
 
 
-def run(s: Settings, work: Path, plot_path: Path | None, schemes: list[str],
-        reuse: bool = False) -> dict[str, object]:
-    baseline = run_scheme("none", ",".join(["none"] * s.workers), s, work / "baseline", reuse)
-    baseline_s = float(np.mean(baseline.steady_seconds))
-    print(f"# no stragglers, scheme none: mean round {baseline_s:.2f}s", flush=True)
-    runs = {model: run_model(model, s, work, schemes, reuse) for model in s.models}
-    figures = {model: model_figures(results) for model, results in runs.items()}
-    for model, f in figures.items():
-        print(table(model, f, baseline_s), flush=True)
-    if plot_path is not None:
-        plot(runs, baseline, plot_path)
-        print(f"# plot: {plot_path}", flush=True)
+def run(s: Settings, work: Path, schemes: list[str], plot_path: Path | None) -> dict[str, object]:
     out: dict[str, object] = {}
-    for scheme in schemes:
-        entry = dict(figures["fixed"][scheme])
-        for model in s.models:
-            if model != "fixed":
-                entry[model] = figures[model][scheme]
-        out[scheme] = entry
-    out["no_straggler_round_s"] = baseline_s
+    first_seed: dict[str, dict[str, RunResult]] = {}
+    for n, stragglers in s.cases:
+        case = f"n={n} s={stragglers}"
+        per_seed: dict[str, list[dict[str, float]]] = {k: [] for k in schemes}
+        loads = []
+        for seed in range(s.seeds):
+            results = {}
+            for scheme in schemes:  # the schemes of one seed back to back: the same load
+                results[scheme] = run_scheme(scheme, n, stragglers, seed, s, work / f"{case}-{scheme}-{seed}")
+                loads += list(results[scheme].load)
+                f = results[scheme].figures(s)
+                print(f"  {case} seed {seed} {scheme:<7} x base {f['x_base']:.3f} (round {f['base_round_s']:.2f}s "
+                      f"-> {f['straggler_round_s']:.2f}s), val loss {f['final_val_loss']:.4f}, load "
+                      f"{results[scheme].load[0]:.1f}-{results[scheme].load[1]:.1f}", flush=True)
+            for scheme in schemes:
+                f = results[scheme].figures(s)
+                f["loss_vs_none"] = f["final_val_loss"] / results["none"].figures(s)["final_val_loss"] - 1
+                per_seed[scheme].append(f)
+            first_seed.setdefault(case, results)
+        rows = {scheme: {k: mean_sd([f[k] for f in fs]) for k in fs[0]} for scheme, fs in per_seed.items()}
+        print(case_table(f"{case}, {s.seeds} seeds (mean ± sd), load average {min(loads):.1f}-{max(loads):.1f}",
+                         rows), flush=True)
+        out[case] = {scheme: {k: [round(v[0], 4), round(v[1], 4)] for k, v in r.items()} for scheme, r in rows.items()}
+        out[case]["load_average"] = [round(min(loads), 2), round(max(loads), 2)]
+    if plot_path is not None:
+        plot(first_seed, s, plot_path)
+        print(f"# plot: {plot_path}", flush=True)
     return out
 
 
 def parse_schemes(text: str) -> list[str]:
     schemes = [x.strip() for x in text.split(",") if x.strip()]
     unknown = sorted(set(schemes) - set(SCHEMES))
-    if unknown or not schemes:
-        raise SystemExit(f"--schemes: {unknown or text!r} not among {', '.join(SCHEMES)}")
-    return schemes
+    if unknown or "none" not in schemes:
+        raise SystemExit(f"--schemes: a subset of {', '.join(SCHEMES)} that includes none")
+    return ["none"] + [x for x in schemes if x != "none"]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings (smoke test), no plot")
-    parser.add_argument("--schemes", default=",".join(SCHEMES),
-                        help="comma-separated subset of the schemes (default: all six)")
+    parser.add_argument("--schemes", default="none,pgc-fr",
+                        help="comma-separated schemes, none included (default: none,pgc-fr)")
+    parser.add_argument("--seeds", type=int, help="seeds per case (default 3)")
+    parser.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL.rounds})")
+    parser.add_argument("--block", type=int, help=f"rounds per fast or slow block (default {FULL.block})")
     parser.add_argument("--work-dir", type=Path, help="keep the run directories here")
-    parser.add_argument("--models", help="comma-separated straggler models (default: all; fixed first)")
-    parser.add_argument("--reuse", action="store_true",
-                        help="with --work-dir: read runs that already finished there instead of rerunning")
     parser.add_argument("--plot", type=Path, default=PLOT, help=f"PNG to write (default {PLOT})")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else FULL
-    if args.models:
-        models = [m.strip() for m in args.models.split(",")]
-        if "fixed" not in models or not set(models) <= set(FULL.models):
-            raise SystemExit(f"--models: a subset of {', '.join(FULL.models)} that includes fixed")
-        settings = replace(settings, models={m: FULL.models[m] for m in models})
+    settings = replace(settings, **{k: v for k, v in (("seeds", args.seeds), ("rounds", args.rounds),
+                                                       ("block", args.block)) if v})
+    if settings.block < 2 or settings.rounds < 2 * settings.block:
+        parser.error("--block must be >= 2 and --rounds >= 2 x --block (fast rounds, then a slow block)")
     with tempfile.TemporaryDirectory(prefix="geoloco-stragglers-") as tmp:
         work = args.work_dir or Path(tmp)
-        result = run(settings, work, None if args.quick else args.plot, parse_schemes(args.schemes),
-                     args.reuse)
+        result = run(settings, work, parse_schemes(args.schemes), None if args.quick else args.plot)
     print(json.dumps(result, sort_keys=True), flush=True)
 
 

@@ -9,6 +9,7 @@ and ``apply_frames`` sets ``p = cast(fp32(p) + fp32(alpha) * U)`` once per coord
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -38,25 +39,43 @@ def _f32(x: float, device) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32, device=device)
 
 
-def _sparse_update(frames, weights, j: int, mode: str, device):
-    """(indices, U values) of tensor j over the union of kept coordinates, sorted."""
+def _sparse_update(frames, weights, j: int, mode: str, device, numel: int):
+    """(indices, U values) of tensor j over the union of kept coordinates, each once (in
+    the order frames first keep them). Several frames are gathered in zeroed scratch
+    tensors of the tensor's size, kept from call to call and zeroed again where they were
+    used: the cost is proportional to the kept elements."""
     idx = [f.indices[j].to(device) for f in frames]
     vals = [f.values[j].to(device) * _f32(w, device) for f, w in zip(frames, weights, strict=False)]
     if len(frames) == 1:
         return idx[0], vals[0]
-    uniq, inv = torch.unique(torch.cat(idx), return_inverse=True)
-    u = torch.zeros(len(uniq), dtype=torch.float32, device=device)
-    cnt = torch.zeros(len(uniq), dtype=torch.float32, device=device) if mode == "mean_kept" else None
-    off = 0
+    u, cnt = _scratch(numel, device)
+    firsts = []
     for i, v in zip(idx, vals, strict=False):
-        part = inv[off:off + len(i)]
-        off += len(i)
-        u.index_add_(0, part, v)  # indices unique within a frame: deterministic
-        if cnt is not None:
-            cnt.index_add_(0, part, torch.ones_like(v))
-    if cnt is not None:
-        u = u / cnt
-    return uniq, u
+        firsts.append(i[cnt[i] == 0])  # coordinates no earlier frame kept
+        u.index_add_(0, i, v)  # indices unique within a frame: deterministic
+        cnt.index_add_(0, i, torch.ones_like(v))
+    kept = torch.cat(firsts)
+    out = u[kept] / cnt[kept] if mode == "mean_kept" else u[kept]
+    u[kept] = 0.0
+    cnt[kept] = 0.0
+    return kept, out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two zeroed fp32 tensors of ``numel`` elements on ``device``, this thread's own (the
+    caller zeroes what it used before it returns)."""
+    held = getattr(_SCRATCH, "buffers", None)
+    if held is None:
+        held = _SCRATCH.buffers = {}
+    key = torch.device(device)
+    if key not in held or held[key][0].numel() < numel:
+        held[key] = (torch.zeros(numel, dtype=torch.float32, device=key),
+                     torch.zeros(numel, dtype=torch.float32, device=key))
+    u, cnt = held[key]
+    return u[:numel], cnt[:numel]
 
 
 def _dense_update(layout, frames, weights, j: int, mode: str, device) -> torch.Tensor:
@@ -115,7 +134,7 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
                 step = _dense_update(layout, frames, weights, j, mode, p.device) * a
                 p.copy_((p.float() + step.view(spec.shape)).to(p.dtype))
                 continue
-            idx, u = _sparse_update(frames, weights, j, mode, p.device)
+            idx, u = _sparse_update(frames, weights, j, mode, p.device, spec.numel)
             step = u * a
             if p.is_contiguous():
                 if p.dtype == torch.float32:

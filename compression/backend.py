@@ -42,6 +42,8 @@ class NotFinite(ValueError):
 
 @runtime_checkable
 class SparseEncoder(Protocol):
+    in_place: bool  # whether encode overwrites the error-feedback tensors it is given
+
     def encode(self, errors: list[torch.Tensor], deltas: list[torch.Tensor], beta: float) -> Encoded:
         """``e = beta*e + delta`` per tensor, then its top-k per chunk as 2-bit codes and
         coded positions, and ``e -= decoded``. Raises NotFinite (which tensor); the state
@@ -86,8 +88,10 @@ class CodecBackend(Protocol):
         """Whether ``encoder`` works on error-feedback buffers on ``device``."""
         ...
 
-    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> SparseEncoder:
-        """An encoder for these tensors and codec parameters (it may keep buffers between calls)."""
+    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool,
+                bins: bool = False) -> SparseEncoder:
+        """An encoder for these tensors and codec parameters (it may keep buffers between
+        calls); ``bins``: the 4-bin quantizer (docs/codec.md)."""
         ...
 
     def decode(self, sections: SparseSections, into: ApplyInto | None = None) -> SparseBody:

@@ -19,16 +19,18 @@ from .format import (
     INDEX_RICE,
     KIND_SPARSE,
     MAX_TILE,
+    TABLE_BINS,
     TABLE_PER_CHUNK,
     TABLE_PER_TENSOR,
     index_offsets_section,
     write_frame,
 )
+from .frame import Frame
 from .layout import ChunkGrid, Layout
 from .registry import encoding_backend
 
 INDEX_CODINGS = {"rice": INDEX_RICE, "fixed": INDEX_FIXED}
-TABLE_MODES = {"chunk": TABLE_PER_CHUNK, "tensor": TABLE_PER_TENSOR}
+TABLE_MODES = {"chunk": TABLE_PER_CHUNK, "tensor": TABLE_PER_TENSOR, "bins": TABLE_BINS}
 
 
 class Compressor:
@@ -37,7 +39,9 @@ class Compressor:
     density: kept fraction per chunk (k = round(density * tile**2), at least 1).
     beta: error-feedback decay. tile: chunk side (chunks hold tile**2 elements).
     index_coding: "rice" (Golomb-Rice of in-chunk gaps) or "fixed" (ceil(log2 chunk) bits).
-    table: "chunk" (a (hi, lo) bfloat16 pair per chunk) or "tensor" (one per tensor).
+    table: "chunk" (a (hi, lo) bfloat16 pair per chunk) or "tensor" (one per tensor): the
+    2-bit sign x {lo, hi} quantizer; or "bins": the SparseLoCo reference's 4-bin quantizer,
+    one table of 4 fp32 bin values per tensor (encoded by the reference backend).
     zstd: compress each section with zstd when that makes it smaller.
     device: where the error-feedback buffers live (default: the first deltas' device).
     backend: the codec backend that encodes ("numba", "reference"; default: numba for
@@ -49,11 +53,16 @@ class Compressor:
     fp32 copies of the parameters' size; ``error`` is always the current one. The
     reference works in place: a NaN or Inf delta is found before any state changes, an
     overflow after some tensors changed.
+
+    A frame that is not used can be settled (gradient coding; docs/gradient-coding.md):
+    ``restore`` puts the error feedback back as it was before the last ``compress``
+    (with ``undoable``, which makes the in-place reference keep a copy), ``add_frame``
+    adds a frame's decoded values into it.
     """
 
     def __init__(self, layout: Layout, density: float = 64 / 4096, beta: float = 0.95, tile: int = 64,
                  index_coding: str = "rice", zstd: bool = False, device=None, table: str = "chunk",
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, undoable: bool = False) -> None:
         if not 0.0 < density <= 1.0:
             raise ValueError(f"density must be in (0, 1], got {density}")
         if not 0.0 <= beta <= 1.0:
@@ -77,6 +86,8 @@ class Compressor:
         self._live = [j for j, s in enumerate(layout.specs) if s.numel]
         self._grids = [ChunkGrid.of(layout.specs[j].shape, tile) for j in self._live]
         self.error: list[torch.Tensor] | None = None
+        self.undoable = undoable
+        self._before: list[torch.Tensor] | None = None  # the live tensors' state before the last compress
         self._encoders: dict[str, SparseEncoder] = {}  # by backend: they keep buffers from call to call
 
     # -- state --------------------------------------------------------------------------
@@ -118,8 +129,11 @@ class Compressor:
         errors = [self.error[j] for j in live]
         device = errors[0].device if errors else torch.device("cpu")  # all on one device
         flat = [deltas[j].detach().reshape(-1).to(device=device, dtype=torch.float32) for j in live]
+        encoder = self._encoder(device)
+        self._before = None
+        before = [e.clone() for e in errors] if self.undoable and encoder.in_place else errors
         try:
-            encoded = self._encoder(device).encode(errors, flat, self.beta)
+            encoded = encoder.encode(errors, flat, self.beta)
         except NotFinite as bad:
             name = self.layout.specs[live[bad.tensor]].name
             if bad.in_delta:
@@ -127,13 +141,36 @@ class Compressor:
             raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
         for j, e in zip(live, encoded.errors, strict=True):
             self.error[j] = e
+        self._before = before if self.undoable else None
         sections = [encoded.table, encoded.codes, encoded.index, index_offsets_section(encoded.chunk_index_bytes)]
         return write_frame(KIND_SPARSE, TABLE_MODES[self.table], INDEX_CODINGS[self.index_coding],
                            self.layout, round, sender, self.tile, self.k, sections, self.zstd)
+
+    # -- settle ---------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """The error feedback as it was before the last ``compress`` (which must have been
+        made with ``undoable``; the double-buffered numba state is read from its spare
+        buffers, the reference's from its copy). Until the next ``compress`` only."""
+        if self._before is None:
+            raise RuntimeError("restore() needs a compress() made with undoable=True since the last restore")
+        for j, before in zip(self._live, self._before, strict=True):
+            self.error[j].copy_(before)
+        self._before = None
+
+    def add_frame(self, frame: Frame, weight: float = 1.0) -> None:
+        """``e += fp32(weight) * v`` at every coordinate a sparse frame of this layout kept."""
+        if frame.kind != "sparse" or frame.layout != self.layout:
+            raise ValueError(f"{frame!r} is not a sparse frame of this compressor's layout")
+        self._ensure_state(self.device or torch.device("cpu"))
+        w = torch.tensor(weight, dtype=torch.float32)
+        for j in self._live:
+            e = self.error[j]
+            e.index_add_(0, frame.indices[j].to(e.device), frame.values[j].to(e.device) * w.to(e.device))
 
     def _encoder(self, device: torch.device) -> SparseEncoder:
         chosen = encoding_backend(self.backend, device)
         if chosen.name not in self._encoders:
             self._encoders[chosen.name] = chosen.encoder(self._grids, self.k, self.table == "chunk",
-                                                         self.index_coding == "fixed")
+                                                         self.index_coding == "fixed", self.table == "bins")
         return self._encoders[chosen.name]

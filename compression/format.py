@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
 MAGIC = b"GLCF"
 VERSION = 2  # 2: sparse frames carry index offsets per segment of chunks
 KIND_SPARSE, KIND_DENSE = 1, 2
-TABLE_PER_TENSOR, TABLE_PER_CHUNK = 0, 1
+TABLE_PER_TENSOR, TABLE_PER_CHUNK, TABLE_BINS = 0, 1, 2  # TABLE_BINS: the 4-bin quantizer, per tensor
 INDEX_FIXED, INDEX_RICE = 0, 1
 DTYPE_FP32, DTYPE_BF16 = 0, 1
 MAX_TILE = 256  # the largest chunk side: in-chunk positions fit 16 bits
@@ -77,6 +77,7 @@ OFFSETS_BEYOND = 9
 OFFSETS_BACK = 10
 LEVELS_BAD = 11
 LEVELS_ORDER = 12
+BINS_BAD = 13
 
 _INDEX_MESSAGES = {
     INDEX_TRUNCATED: "index section ends inside chunk {c}",
@@ -93,6 +94,7 @@ _TABLE_MESSAGES = {
     OFFSETS_BACK: "index offset of segment {s} ({v}) lies before segment {s1}'s ({w})",
     LEVELS_BAD: "quantizer table holds a negative, NaN or Inf level",
     LEVELS_ORDER: "quantizer table has a low level above the high level",
+    BINS_BAD: "quantizer table holds a NaN or Inf bin value",
 }
 
 
@@ -172,6 +174,12 @@ class SparseSections(NamedTuple):
     index: bytes | memoryview
     offsets: bytes | memoryview
     index_at: int                   # where the index section starts in data (-1: decompressed)
+
+
+def is_bins_frame(data: bytes) -> bool:
+    """Whether ``data`` claims to be a sparse frame of the 4-bin quantizer (its header's
+    kind and table mode; nothing is checked)."""
+    return len(data) >= HEADER_BYTES and data[5] == KIND_SPARSE and data[6] == TABLE_BINS
 
 
 def crc_matches(data: bytes) -> bool:
@@ -283,14 +291,14 @@ def read_dense(data: bytes, head: Header, layout: Layout) -> list[torch.Tensor]:
 
 def read_sparse(data: bytes, head: Header, layout: Layout) -> SparseSections:
     """A sparse frame's codec parameters and sections, each of the size its layout implies."""
-    if head.p1 not in (TABLE_PER_TENSOR, TABLE_PER_CHUNK) or head.p2 not in (INDEX_FIXED, INDEX_RICE):
+    if head.p1 not in (TABLE_PER_TENSOR, TABLE_PER_CHUNK, TABLE_BINS) or head.p2 not in (INDEX_FIXED, INDEX_RICE):
         raise FrameError(f"sparse frame has unknown table mode {head.p1} or index coding {head.p2}")
     if not 1 <= head.tile <= MAX_TILE:
         raise FrameError(f"tile {head.tile} outside [1, {MAX_TILE}]")
     if not 1 <= head.k_full <= head.tile * head.tile:
         raise FrameError(f"kept per chunk {head.k_full} outside [1, {head.tile * head.tile}]")
     fixed = head.p2 == INDEX_FIXED
-    geo = frame_geometry(layout, head.tile, head.k_full, head.p1 == TABLE_PER_CHUNK, fixed)
+    geo = frame_geometry(layout, head.tile, head.k_full, head.p1 == TABLE_PER_CHUNK, fixed, head.p1 == TABLE_BINS)
     starts: list[int] = []
     table, codes, index, offsets = read_sections(
         _body(data), [("table", geo.table_bytes, True), ("codes", geo.code_bytes, True),

@@ -122,7 +122,8 @@ def read_frame(data: bytes, layout: Layout, decoder: CodecBackend, into: ApplyIn
         else:
             sections = read_sparse(data, head, layout)
             geo = sections.geometry
-            params = {"tile": geo.tile, "k": geo.k_full, "table": "chunk" if geo.per_chunk else "tensor",
+            table = "bins" if geo.bins else "chunk" if geo.per_chunk else "tensor"
+            params = {"tile": geo.tile, "k": geo.k_full, "table": table,
                       "index_coding": "fixed" if geo.fixed else "rice"}
             frame = Frame("sparse", head.round, head.sender, len(data), layout, params=params,
                           body=decoder.decode(sections, into))

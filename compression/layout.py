@@ -335,35 +335,43 @@ class FrameGeometry:
     grid: np.ndarray       # per tensor: rows, cols, row_tiles, col_tiles
     n_chunks: np.ndarray   # per tensor
     kept_off: np.ndarray   # first kept element of each tensor, then the total
-    tab_off: np.ndarray    # first table level (bfloat16) of each tensor, then the total
+    tab_off: np.ndarray    # first table level of each tensor (bfloat16; bins: fp32), then the total
     seg_start: np.ndarray  # per segment: tensor, chunk in tensor, first kept element, first code byte, full-size chunks
     table_bytes: int
     code_bytes: int
     index_bytes_max: int
     index_dtype: type      # of flat indices: int32 where every tensor allows
+    bins: bool = False     # the 4-bin quantizer: 4 fp32 values per non-empty tensor
 
     @property
     def kept(self) -> int:
         return int(self.kept_off[-1])
 
 
+BINS = 4  # values in a tensor's table under the 4-bin quantizer
+
+
 @lru_cache(maxsize=64)
-def frame_geometry(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool) -> FrameGeometry:
+def frame_geometry(layout: Layout, tile: int, k_full: int, per_chunk: bool, fixed: bool,
+                   bins: bool = False) -> FrameGeometry:
     grids = tuple(ChunkGrid.of(s.shape, tile) for s in layout.specs)
     chunks = chunk_table(grids, k_full)
     n_chunks = np.array([g.n_chunks for g in grids], dtype=np.int64)
     kept = np.bincount(chunks[:, TENSOR], weights=chunks[:, KEPT], minlength=len(grids))
-    levels = 2 * n_chunks if per_chunk else 2 * (n_chunks > 0)  # a (hi, lo) pair per chunk, or per tensor
+    # 4 fp32 bin values per tensor; or a (hi, lo) bfloat16 pair per chunk, or per tensor
+    per_tensor = BINS if bins else 2
+    levels = 2 * n_chunks if per_chunk and not bins else per_tensor * (n_chunks > 0)
     sizes, counts = np.unique(chunks[:, [NUMEL, KEPT]], axis=0, return_counts=True)  # few distinct chunk sizes
     geo = FrameGeometry(
         layout, tile, k_full, per_chunk, fixed, grids, chunks,
         grid=np.array([[g.rows, g.cols, g.row_tiles, g.col_tiles] for g in grids], dtype=np.int64).reshape(-1, 4),
         n_chunks=n_chunks, kept_off=_running_total(kept), tab_off=_running_total(levels),
-        seg_start=_segment_starts(chunks, tile * tile), table_bytes=2 * int(levels.sum()),
+        seg_start=_segment_starts(chunks, tile * tile), table_bytes=(4 if bins else 2) * int(levels.sum()),
         code_bytes=sum(code_bytes(int(k)) * int(c) for (_, k), c in zip(sizes, counts, strict=True)),
         index_bytes_max=sum(index_bytes_max(int(n), int(k), fixed) * int(c)
                             for (n, k), c in zip(sizes, counts, strict=True)),
-        index_dtype=np.int32 if max((s.numel for s in layout.specs), default=0) < 2**31 else np.int64)
+        index_dtype=np.int32 if max((s.numel for s in layout.specs), default=0) < 2**31 else np.int64,
+        bins=bins)
     for a in (geo.chunks, geo.grid, geo.n_chunks, geo.kept_off, geo.tab_off, geo.seg_start):
         a.setflags(write=False)
     return geo

@@ -8,12 +8,14 @@ position; 2-bit codes ``sign x {lo, hi}`` where, with the kept magnitudes sorted
 descending order ``m[0] >= m[1] >= ...`` and ``h = k // 2``, ``hi = m[h // 2]`` and
 ``lo = m[h + (k - h) // 2]`` (order statistics, so that every implementation agrees bit
 for bit), both rounded to bfloat16; a value codes as hi when ``|x| >= fp32(lo + hi) * 0.5``;
-then ``e[kept] -= decoded``. Decoding checks every level, offset, code and padding bit,
+then ``e[kept] -= decoded``. Or, with ``bins``, the SparseLoCo reference's 4-bin quantizer
+over a tensor's kept values (``bin_quantize``). Only this backend encodes bins frames. Decoding checks every level, offset, code and padding bit,
 segment by segment and chunk by chunk, and names the first problem found.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,7 @@ import torch
 
 from .backend import ApplyInto, Encoded, NotFinite
 from .format import (
+    BINS_BAD,
     CODE_PADDING,
     INDEX_ORDER,
     INDEX_PADDING,
@@ -40,6 +43,7 @@ from .format import (
     table_error,
 )
 from .layout import (
+    BINS,
     CHUNK,
     FIRST_CODE,
     FIRST_KEPT,
@@ -116,9 +120,34 @@ def quantize(vals: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, to
     return is_hi.to(torch.uint8) | (neg.to(torch.uint8) << 1), dec
 
 
-def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, fixed: bool) -> TensorPayload | None:
+BIN_RANGE_SIGMAS = 6.0  # the 4-bin quantizer's range: 6 standard deviations over 4 bins
+
+
+def bin_quantize(vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SparseLoCo reference's quantizer (templar's ``TopKCompressor._quantize_values``
+    with 4 bins): centre the values on their mean, scale = 6 sigma / 4 (sigma: the centred
+    values' norm / sqrt(n - 1); 1 where that is 0, NaN or Inf), bin = round(centred /
+    scale + 2) clamped to 0..3, each bin's value = the mean of its centred values (0 when
+    empty) + the mean. Returns (the 4 bin values, codes, decoded values), all fp32."""
+    shift = vals.mean()
+    centred = vals - shift
+    n = vals.numel()
+    std = centred.norm() / math.sqrt(n - 1) if n > 1 else torch.tensor(math.inf, device=vals.device)
+    scale = BIN_RANGE_SIGMAS * std / BINS
+    if not bool(torch.isfinite(scale)) or float(scale) == 0.0:
+        scale = torch.tensor(1.0, device=vals.device)
+    q = (centred / scale + BINS // 2).round().clamp(0, BINS - 1).to(torch.int64)
+    sums = torch.zeros(BINS, device=vals.device).scatter_add_(0, q, centred)
+    counts = torch.zeros(BINS, device=vals.device).scatter_add_(0, q, torch.ones_like(centred))
+    table = torch.where(counts > 0, sums / counts, torch.zeros_like(sums)) + shift
+    return table, q.to(torch.uint8), table[q]
+
+
+def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, fixed: bool,
+                  bins: bool = False) -> TensorPayload | None:
     """Select, quantize and code one error-feedback tensor (fp32, flat); subtracts the decoded
-    values from ``e`` in place. None (``e`` untouched) when a level rounds to Inf in bfloat16."""
+    values from ``e`` in place. None (``e`` untouched) when a level rounds to Inf in bfloat16
+    (bins: a bin value is not finite)."""
     full, short = chunk_matrix(e, g)
     groups = [(full, kept_per_chunk(g.size, k_full, g.size))]
     if short.numel():
@@ -126,6 +155,12 @@ def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, f
     sel = [(x, select_topk(x, k)) for x, k in groups if x.shape[0]]
     pos = [m.nonzero()[:, 1].view(x.shape[0], -1) for x, m in sel]
     vals = [x[m].view(x.shape[0], -1) for x, m in sel]
+    if bins:
+        table, codes_flat, decoded = bin_quantize(torch.cat([v.reshape(-1) for v in vals]))
+        if not bool(torch.isfinite(table).all()):
+            return None
+        return _payload(e, g, full, short, pos, vals, [(codes_flat, decoded)], fixed,
+                        table.cpu().numpy().astype("<f4").tobytes())
     if per_chunk:
         levels = [levels_from(v.abs()) for v in vals]
     else:
@@ -135,7 +170,11 @@ def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, f
     if torch.isinf(table[:, 0]).any():  # hi >= lo: overflow shows in hi
         return None
     q = [quantize(v, lv) for v, lv in zip(vals, levels, strict=True)]
-    # e -= decoded, at the kept coordinates
+    return _payload(e, g, full, short, pos, vals, q, fixed, table.contiguous().view(torch.int16).cpu().numpy().tobytes())
+
+
+def _payload(e, g: ChunkGrid, full, short, pos, vals, q, fixed: bool, table: bytes) -> TensorPayload:
+    """e -= decoded at the kept coordinates; the tensor's codes and index sections."""
     chunk_ids = torch.cat([
         torch.arange(p.shape[0], device=e.device).repeat_interleave(p.shape[1]) + off
         for p, off in zip(pos, (0, full.shape[0]), strict=False)
@@ -147,7 +186,7 @@ def encode_tensor(e: torch.Tensor, g: ChunkGrid, k_full: int, per_chunk: bool, f
     codes = _pack_codes(torch.cat([c.reshape(-1) for c, _ in q]), ks, counts)
     sizes = [g.size] * full.shape[0] + ([short.numel()] if short.numel() else [])
     index, chunk_bytes = _pack_index(pos, sizes, fixed)
-    return TensorPayload(table.contiguous().view(torch.int16).cpu().numpy().tobytes(), codes, index, chunk_bytes)
+    return TensorPayload(table, codes, index, chunk_bytes)
 
 
 def write_fields(nbytes: int, starts: torch.Tensor, values: torch.Tensor, widths: torch.Tensor,
@@ -227,8 +266,12 @@ def _previous(x: torch.Tensor) -> torch.Tensor:
 class ReferenceEncoder:
     """Encodes in place: on NotFinite the error feedback already updated stays so."""
 
-    def __init__(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> None:
+    in_place = True
+
+    def __init__(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool,
+                 bins: bool = False) -> None:
         self.grids, self.k_full, self.per_chunk, self.fixed = list(grids), k_full, per_chunk, fixed
+        self.bins = bins
 
     def encode(self, errors: list[torch.Tensor], deltas: list[torch.Tensor], beta: float) -> Encoded:
         bad = next((j for j, d in enumerate(deltas) if not bool(torch.isfinite(d).all())), None)
@@ -237,7 +280,8 @@ class ReferenceEncoder:
         parts = []
         for j, (e, d, g) in enumerate(zip(errors, deltas, self.grids, strict=True)):
             e.mul_(torch.tensor(beta, dtype=torch.float32, device=e.device)).add_(d)
-            part = encode_tensor(e, g, self.k_full, self.per_chunk, self.fixed) if torch.isfinite(e).all() else None
+            part = encode_tensor(e, g, self.k_full, self.per_chunk, self.fixed, self.bins) \
+                if torch.isfinite(e).all() else None
             if part is None:
                 raise NotFinite(j, in_delta=False)
             parts.append(part)
@@ -293,6 +337,12 @@ def check_table_and_offsets(sections: SparseSections) -> tuple[torch.Tensor, lis
     back = [s for s in range(1, n_seg) if offsets[s] < offsets[s - 1]]
     if back:
         raise table_error(OFFSETS_BACK, back[0], offsets[back[0]], offsets[back[0] - 1])
+    if sections.geometry.bins:
+        bins = torch.frombuffer(bytearray(sections.table), dtype=torch.float32) if len(sections.table) else \
+            torch.zeros(0)
+        if not bool(torch.isfinite(bins).all()):
+            raise table_error(BINS_BAD, 0, 0, 0)
+        return bins, offsets
     bits = torch.frombuffer(bytearray(sections.table), dtype=torch.int16).to(torch.int32) & 0xFFFF \
         if len(sections.table) else torch.zeros(0, dtype=torch.int32)
     if (((bits >> 7) & 0xFF) == 0xFF).any() or (bits >> 15).any():  # Inf or NaN, or negative
@@ -304,19 +354,22 @@ def check_table_and_offsets(sections: SparseSections) -> tuple[torch.Tensor, lis
 
 
 def code_values(geo: FrameGeometry, codes: torch.Tensor, levels: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-    """(the value of every kept element, from its 2-bit code and its chunk's levels; per
-    chunk whether padding bits after its codes are set)."""
+    """(the value of every kept element, from its 2-bit code and its chunk's levels, or its
+    tensor's bin values; per chunk whether padding bits after its codes are set)."""
     chunks = torch.from_numpy(geo.chunks.copy())
     kept = chunks[:, KEPT]
     chunk_of = torch.repeat_interleave(torch.arange(len(chunks)), kept)
     j = torch.arange(geo.kept) - chunks[chunk_of, FIRST_KEPT]
     code = (codes[chunks[chunk_of, FIRST_CODE] + j // 4].to(torch.int64) >> (2 * (j % 4))) & 3
     pair = torch.from_numpy(geo.tab_off[:-1].copy())[chunks[:, TENSOR]]
-    if geo.per_chunk:
-        pair = pair + 2 * chunks[:, CHUNK]
-    hi, lo = levels[pair[chunk_of]], levels[pair[chunk_of] + 1]
-    mag = torch.where((code & 1).bool(), hi, lo)
-    values = torch.where((code & 2).bool(), -mag, mag)
+    if geo.bins:
+        values = levels[pair[chunk_of] + code]
+    else:
+        if geo.per_chunk:
+            pair = pair + 2 * chunks[:, CHUNK]
+        hi, lo = levels[pair[chunk_of]], levels[pair[chunk_of] + 1]
+        mag = torch.where((code & 1).bool(), hi, lo)
+        values = torch.where((code & 2).bool(), -mag, mag)
     tail = kept % 4 != 0
     last = codes[chunks[tail, FIRST_CODE] + kept[tail] // 4].to(torch.int64)
     padded = torch.zeros(len(chunks), dtype=torch.bool)
@@ -411,8 +464,9 @@ class ReferenceBackend:
     def encodes(self, device: torch.device) -> bool:
         return True
 
-    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> ReferenceEncoder:
-        return ReferenceEncoder(grids, k_full, per_chunk, fixed)
+    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool,
+                bins: bool = False) -> ReferenceEncoder:
+        return ReferenceEncoder(grids, k_full, per_chunk, fixed, bins)
 
     def decode(self, sections: SparseSections, into: ApplyInto | None = None) -> ReferenceBody:
         return decode_sparse(sections)  # into is only ever this backend's start_apply's: None

@@ -23,7 +23,7 @@ from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import RunTotals, write_text_atomic
-from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
+from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
 from geoloco.coordinator.rounds import CodePolicy, RoundState
@@ -55,7 +55,6 @@ class Coordinator:
     ``run_dir`` defaults to ``cfg.run_dir``."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
-        check_aggregation(cfg)
         token = require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
@@ -65,12 +64,16 @@ class Coordinator:
         model = task.make_model().to("cpu", torch.float32)
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
-        outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
+        outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
         registry = WorkerRegistry(cfg.workers, token)
         start_round, totals = 0, RunTotals()
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
         totals.extra.update(coding_summary(self.code))
+        note = aggregation_note(cfg)
+        if note is not None:
+            log.info(note)
+        totals.extra["aggregation"] = cfg.outer.aggregation if note is None else "sum (weighted)"
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s))
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,

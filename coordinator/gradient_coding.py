@@ -186,7 +186,7 @@ class CyclicRepetition(GradientCode):
     a @ B[F] = 1 by least squares in float64 and checks the residual.
     """
 
-    def __init__(self, name: str, n: int, s: int, seed: int) -> None:
+    def __init__(self, name: str, n: int, s: int, seed: int, aligned: bool | None = None) -> None:
         best_B, best_worst, exhaustive = np.empty(0), math.inf, True
         for k in range(CR_SEED_CANDIDATES):
             B = cyclic_repetition_matrix(n, s, np.random.default_rng([seed, k]))
@@ -195,7 +195,12 @@ class CyclicRepetition(GradientCode):
                 best_B, best_worst = B, worst
         if not math.isfinite(best_worst):
             raise RuntimeError(f"no decodable cyclic code found for n={n}, s={s}, seed={seed}")
-        super().__init__(name, n, s, best_B, cyclic_orders(n, s))
+        if aligned is None:
+            aligned = False
+        if aligned and n % (s + 1):
+            raise ValueError(f"aligned ages need (s + 1) to divide n; got n={n}, s={s}")
+        self.aligned = aligned
+        super().__init__(name, n, s, best_B, aligned_orders(n, s) if aligned else cyclic_orders(n, s))
         self.worst_case_coefficient = best_worst
         self.worst_case_exhaustive = exhaustive
 
@@ -221,6 +226,39 @@ def cyclic_orders(n: int, s: int) -> list[list[int]]:
     """Training orders for CR: worker i trains partition (i + t) mod n at offset t, so each
     round the n workers train n distinct partitions."""
     return [[(i + k) % n for k in range(s + 1)] for i in range(n)]
+
+
+def aligned_orders(n: int, s: int) -> list[list[int]]:
+    """Training orders for CR with aligned ages ((s + 1) | n): at offset t every worker
+    trains its held partition p with p = t mod (s + 1), so all holders of a partition train
+    it in the same rounds and a decode combines one version of each partition."""
+    return [sorted(((i + k) % n for k in range(s + 1)), key=lambda p: p % (s + 1)) for i in range(n)]
+
+
+def age_weights(code: GradientCode, arrived: Sequence[int], t: int) -> dict[tuple[int, int], float]:
+    """{(partition, age): weight} of the decode of ``arrived`` in a steady round t of a
+    pipelined code: sum_i a_i B[i, p] over the arrived holders of p whose latest version
+    of it is ``age`` rounds old. The weights of a partition sum to 1; a single age of
+    weight 1 means the decode uses one version of it."""
+    decoded = code.decode(arrived)
+    if decoded is None:
+        raise ValueError(f"arrived set {sorted(arrived)} is not decodable")
+    weights: dict[tuple[int, int], float] = {}
+    size = code.s + 1
+    for i, a in decoded.items():
+        order = code._orders[i]
+        for k, p in enumerate(order):
+            age = (t - k) % size if code.pipelined else 0
+            weights[(p, age)] = weights.get((p, age), 0.0) + a * float(code.B[i, p])
+    return {key: w for key, w in weights.items() if abs(w) > 1e-12}
+
+
+def age_weight_range(code: GradientCode) -> tuple[float, float]:
+    """The smallest and largest per-(partition, age) weight over every straggler set of
+    size s and every phase of the pipeline (exhaustive up to WORST_CASE_SET_LIMIT sets)."""
+    sets, _ = _arrived_sets(code.n, code.s, 0)
+    weights = [w for F in sets for t in range(code.s + 1) for w in age_weights(code, F.tolist(), t).values()]
+    return min(weights), max(weights)
 
 
 def cyclic_repetition_matrix(n: int, s: int, rng: np.random.Generator) -> np.ndarray:
@@ -280,8 +318,10 @@ def _batch_worst(B: np.ndarray, sets: np.ndarray) -> float:
     return float(np.max(np.abs(a)))
 
 
-def make_code(scheme: str, n: int, s: int, seed: int = 0) -> GradientCode:
-    """The gradient code ``scheme`` (one of SCHEMES) for n workers tolerating s stragglers."""
+def make_code(scheme: str, n: int, s: int, seed: int = 0, aligned: bool | None = None) -> GradientCode:
+    """The gradient code ``scheme`` (one of SCHEMES) for n workers tolerating s stragglers.
+    ``aligned`` (CR only): the aligned training orders, which need (s + 1) | n; None or
+    False: the cyclic orders."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown gradient-coding scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
     n = _integer("n (workers)", n)
@@ -296,7 +336,7 @@ def make_code(scheme: str, n: int, s: int, seed: int = 0) -> GradientCode:
         return IgnoreStragglers(n, s)
     if scheme.endswith("-fr"):
         return FractionalRepetition(scheme, n, s)
-    return CyclicRepetition(scheme, n, s, seed)
+    return CyclicRepetition(scheme, n, s, seed, aligned)
 
 
 def _integer(name: str, value: object) -> int:
@@ -308,7 +348,8 @@ def _integer(name: str, value: object) -> int:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
-REPORT_CASES = ((4, 1), (6, 2), (8, 1), (8, 3), (10, 2), (12, 3), (16, 3), (24, 4))
+REPORT_CASES = ((4, 1), (6, 2), (8, 1), (8, 2), (8, 3), (10, 2), (12, 3), (16, 3), (24, 4))
+AGE_REPORT_MAX_N = 12  # per-age weights are reported up to this n (every set, every phase)
 
 
 def report(cases: Sequence[tuple[int, int]] = REPORT_CASES, seed: int = 0) -> str:
@@ -328,6 +369,16 @@ def report(cases: Sequence[tuple[int, int]] = REPORT_CASES, seed: int = 0) -> st
             f"{n:>4} {s:>3} {math.comb(n, s):>7} {min(worst):>10.3g} "
             f"{float(np.median(worst)):>10.3g} {max(worst):>10.3g}  {checked}"
         )
+    lines += ["", "pgc-cr decode weights per (partition, age), over every straggler set and pipeline phase",
+              f"{'n':>4} {'s':>3}  {'ages':<8} {'worst |a|':>10} {'min':>9} {'max':>9}"]
+    for n, s in cases:
+        if n > AGE_REPORT_MAX_N:
+            continue
+        for aligned in (False, True) if n % (s + 1) == 0 else (False,):
+            code = make_code("pgc-cr", n, s, seed, aligned=aligned)
+            low, high = age_weight_range(code)
+            lines.append(f"{n:>4} {s:>3}  {'aligned' if aligned else 'cyclic':<8} "
+                         f"{code.worst_case_coefficient:>10.3g} {low:>9.3g} {high:>9.3g}")
     return "\n".join(lines)
 
 

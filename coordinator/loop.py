@@ -85,11 +85,14 @@ class RoundLoop:
             return  # stopping
         verdict = self.bounds.bound_round(rs, self.policy)
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
+        settlements = {i: self.policy.settlement(rs.decision, i) for i in range(self.cfg.workers)}
         if not self.bounds.safe(update):
             log.error("round %d: the update of workers %s could make parameters non-finite; "
                       "committing no change", rs.round, [f.sender for f in update.frames])
             update = Update([], "sum", 1.0)
-        closed = round_result(rs, update, finished=rs.round == self.cfg.rounds - 1)
+            # nothing was applied: every worker keeps its message in its error feedback
+            settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
+        closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
                                  elapsed_seconds=self.elapsed_seconds())
@@ -187,15 +190,17 @@ def fixed_tensors(model: nn.Module, shared: list[Tensor]) -> dict[str, Tensor]:
     return fixed
 
 
-def round_result(rs: RoundState, update: Update, finished: bool) -> ClosedRound:
-    """The broadcast of the closed round ``rs``: its header and the update's frames."""
+def round_result(rs: RoundState, update: Update, settlements: dict[int, pb.Settlement],
+                 finished: bool) -> ClosedRound:
+    """The broadcast of the closed round ``rs``: its header, the update's frames and what
+    each worker does with the error feedback of its own frame."""
     header = pb.RoundHeader(
         round=rs.round, aggregation=update.mode, alpha=update.alpha, finished=finished,
         arrived=sorted(rs.arrivals),
         frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
                 for f in update.frames],
     )
-    return ClosedRound(header, tuple(f.data for f in update.frames))
+    return ClosedRound(header, tuple(f.data for f in update.frames), settlements)
 
 
 def _fmt(value: float | None) -> str:

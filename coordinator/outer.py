@@ -1,6 +1,7 @@
 """Outer optimizers: SparseLoCo's outer SGD (Sarfi et al. 2025, arXiv 2508.15706; the
 workers' frames are broadcast as they are) and DiLoCo's Nesterov SGD (Douillard et al.
-2023, arXiv 2311.08105; one dense fp32 frame of the parameter change is broadcast)."""
+2023, arXiv 2311.08105; one dense frame of the parameter change is broadcast, fp32 or bf16
+as the workers send theirs)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
-from geoloco.config import ConfigError, OuterConfig, RunConfig
+from geoloco.config import OuterConfig, RunConfig
 from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.replica import apply_round
 
@@ -46,26 +47,32 @@ def apply_update(params: list[Tensor], update: Update) -> None:
 
 
 def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str]:
-    """Weights and apply_frames mode that give the mean update.
+    """Weights and apply_frames mode of the round's update (docs/gradient-coding.md,
+    "Aggregation").
 
-    ``mean``: a_i / covered with mode ``sum``; ``mean_kept``: a_i with mode ``mean_kept``
-    (the codec divides each coordinate by the number of frames that kept it).
+    ``mean_kept`` where the chosen frames are disjoint plain sums of k partitions each
+    (``decision.disjoint``: B = I, FR): weights a_i / k with mode ``mean_kept``, so each
+    coordinate is the mean over the frames that kept it of their per-partition mean, which
+    is SparseLoCo's rule (and the mean over all covered partitions where every frame kept
+    it). Otherwise, and with ``mean``: the weighted sum a_i / covered with mode ``sum``.
     """
     coeffs = [a for _, a in sorted(decision.coefficients.items())]
-    if aggregation == "mean_kept":
-        return coeffs, "mean_kept"
+    if aggregation == "mean_kept" and decision.disjoint:
+        per_frame = decision.covered / len(coeffs)
+        return [a / per_frame for a in coeffs], "mean_kept"
     return [a / max(decision.covered, 1) for a in coeffs], "sum"
 
 
-def check_aggregation(cfg: RunConfig) -> None:
-    """``mean_kept`` divides each coordinate by the number of frames that kept it, which
-    is not the decoded sum of coded messages: only the uncoded ``none`` scheme allows it."""
-    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme != "none":
-        raise ConfigError(
-            f"outer.aggregation 'mean_kept' cannot decode coding.scheme {cfg.coding.scheme!r} "
-            "(the decoding coefficients need a weighted sum); use outer.aggregation 'mean', "
-            "or coding.scheme 'none'"
-        )
+def aggregation_note(cfg: RunConfig) -> str | None:
+    """What the run's rounds are aggregated by, where ``mean_kept`` cannot be exact: the
+    cyclic codes' chosen frames are weighted combinations that overlap, so their rounds
+    (and deadline rounds that are not one frame per partition group) take the weighted
+    sum. None when every decodable round uses the configured rule."""
+    if cfg.outer.aggregation == "mean_kept" and cfg.coding.scheme.endswith("-cr"):
+        return (f"outer.aggregation 'mean_kept': coding.scheme {cfg.coding.scheme!r} decodes by a "
+                "weighted sum (cyclic codes' frames overlap, so a per-coordinate mean over keepers "
+                "is not exact); rounds are aggregated with mode 'sum'")
+    return None
 
 
 class OuterOptimizer(ABC):
@@ -105,21 +112,23 @@ class SparseLoCoOuter(OuterOptimizer):
 
 class DiLoCoOuter(OuterOptimizer):
     """Nesterov SGD on the mean dense pseudo-gradient U, momentum kept here (PyTorch's
-    convention: m = mu*m + U; change = -lr * (U + mu*m)), broadcast as one dense fp32 frame
-    applied with weight 1 and alpha 1."""
+    convention: m = mu*m + U; change = -lr * (U + mu*m)), broadcast as one dense frame in
+    ``dense_dtype`` (every replica, this one included, applies the frame as decoded, with
+    weight 1 and alpha 1)."""
 
-    def __init__(self, layout: Layout, cfg: OuterConfig) -> None:
+    def __init__(self, layout: Layout, cfg: OuterConfig, dense_dtype: str = "fp32") -> None:
         super().__init__(layout, cfg)
+        self.dense_dtype = dense_dtype
         self.buffers: list[Tensor] | None = None
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         if not chosen:
             return Update([], "sum", 1.0)
-        weights, mode = mean_weights(decision, self.aggregation)
+        weights, _ = mean_weights(decision, "mean")  # dense frames keep every coordinate: the two rules agree
         frames = [arr.frame for arr, _ in chosen]
-        mean = aggregate(self.layout, frames, weights, mode=mode)
+        mean = aggregate(self.layout, frames, weights, mode="sum")
         change = self._nesterov(mean)
-        data = encode_dense(self.layout, change, round=round, sender=COORDINATOR_SENDER, dtype="fp32")
+        data = encode_dense(self.layout, change, round=round, sender=COORDINATOR_SENDER, dtype=self.dense_dtype)
         frame = decode_frame(data, self.layout)
         return Update([UpdateFrame(COORDINATOR_SENDER, 1.0, data, frame)], "sum", 1.0)
 
@@ -142,10 +151,11 @@ class DiLoCoOuter(OuterOptimizer):
         self.buffers = [b.clone() for b in buffers] if buffers is not None else None
 
 
-def make_outer(method: str, layout: Layout, cfg: OuterConfig) -> OuterOptimizer:
-    """The outer optimizer for ``compression.method`` (sparseloco | diloco)."""
+def make_outer(method: str, layout: Layout, cfg: OuterConfig, dense_dtype: str = "fp32") -> OuterOptimizer:
+    """The outer optimizer for ``compression.method`` (sparseloco | diloco; DiLoCo
+    broadcasts in ``compression.dense_dtype``)."""
     if method == "sparseloco":
         return SparseLoCoOuter(layout, cfg)
     if method == "diloco":
-        return DiLoCoOuter(layout, cfg)
+        return DiLoCoOuter(layout, cfg, dense_dtype)
     raise ValueError(f"compression.method {method!r} is not one of sparseloco, diloco")

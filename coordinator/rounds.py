@@ -40,11 +40,21 @@ class Decision:
 
     ``coefficients`` are the decoding coefficients a_i with sum_i a_i m_i equal to the sum
     of ``covered`` partitions' pseudo-gradients, so the mean is sum_i (a_i / covered) m_i.
+    ``disjoint``: the chosen rows B[i] are 0/1, no two share a partition, all cover as many
+    and all have the same coefficient, so each chosen frame stands for the same number of
+    partitions and SparseLoCo's per-coordinate mean over the frames that kept it is exact
+    (B = I, ``ignore``, one frame per FR group).
     """
 
     coefficients: dict[int, float]
     covered: int
     reason: str  # one of CLOSE_REASONS
+    disjoint: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """The chosen frames decode the covered partitions exactly (not a deadline's best effort)."""
+        return self.reason in ("all arrived", "decodable")
 
 
 CLOSE_REASONS = ("all arrived", "decodable", "deadline")
@@ -55,6 +65,9 @@ class ClosePolicy(Protocol):
 
     def decide(self, arrived: list[int], deadline_passed: bool) -> Decision | None:
         """A decision, or None to keep waiting."""
+
+    def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
+        """How ``worker`` settles the error feedback of its frame for the decided round."""
 
 
 class CodePolicy:
@@ -69,24 +82,77 @@ class CodePolicy:
         if decoded is not None:
             reason = "all arrived" if len(arrived) == self.code.n else "decodable"
             kept = {i: a for i, a in decoded.items() if a != 0.0}
-            return Decision(kept, self.code.n, reason)
+            return Decision(kept, self.code.n, reason, disjoint_rows(self.code.B, kept))
         if deadline_passed:
             coefficients, covered = deadline_decoding(self.code.B, arrived)
-            return Decision(coefficients, covered, "deadline")
+            return Decision(coefficients, covered, "deadline", disjoint_rows(self.code.B, coefficients))
         return None
+
+    def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
+        return settlement(self.code, decision, worker)
+
+
+def settlement(code: GradientCode, decision: Decision, worker: int) -> pb.Settlement:
+    """What became of ``worker``'s frame (docs/gradient-coding.md, "Error feedback that
+    loses nothing"): applied (KEEP); not applied but a chosen group-mate of a classic code
+    sent the same message from the same parameters (CREDIT: its frame is this one's); not
+    applied but the chosen frames delivered its content, by decoding exactly or a pipelined
+    group-mate's version of it (RESTORE: the round never touched its error feedback);
+    not applied and nothing stood in for it, at a deadline (ADD_BACK: send it later)."""
+    kinds = pb.Settlement
+    if worker in decision.coefficients:
+        return kinds(kind=kinds.KEEP)
+    mate = next((j for j in sorted(decision.coefficients)
+                 if np.array_equal(code.B[j], code.B[worker])), None)
+    if mate is not None and not code.pipelined:
+        return kinds(kind=kinds.CREDIT, sender=mate)
+    if mate is not None or decision.exact:
+        return kinds(kind=kinds.RESTORE)
+    return kinds(kind=kinds.ADD_BACK)
+
+
+def worker_task(code: GradientCode, worker: int, round: int, rounds: int) -> pb.WorkerTask:
+    """What ``worker`` trains and sends in ``round`` (nothing past the run's last round)."""
+    if round >= rounds or worker >= code.n:
+        return pb.WorkerTask(round=round)
+    coeffs = code.coefficients(worker)
+    return pb.WorkerTask(
+        round=round, train_partitions=code.partition_at(worker, round),
+        send_partitions=[j for j, _ in coeffs], send_coefficients=[c for _, c in coeffs],
+    )
+
+
+def disjoint_rows(B: np.ndarray, coefficients: dict[int, float]) -> bool:
+    """Whether the chosen workers' rows B[i] are 0/1, pairwise disjoint and of one size,
+    and their coefficients all equal (so each chosen frame is the plain sum of as many
+    partitions, weighted alike: B = I, ``ignore``'s n / |F|, one frame per FR group)."""
+    if not coefficients:
+        return False
+    rows = B[sorted(coefficients)]
+    a = np.array(list(coefficients.values()))
+    unit = np.all((rows == 0.0) | (rows == 1.0))
+    sizes = rows.sum(axis=1)
+    return bool(unit and rows.sum(axis=0).max() <= 1.0 and np.all(sizes == sizes[0])
+                and np.allclose(a, a[0], rtol=1e-12, atol=0.0))
 
 
 def deadline_decoding(B: np.ndarray, arrived: list[int]) -> tuple[dict[int, float], int]:
     """Coefficients for a set that cannot be decoded exactly, and how many partitions they
     cover: the least-squares a with sum_i a_i B[i] ~ 1 on the partitions some arrived
     worker holds (B = I: a_i = 1, so the update is the mean over the arrived frames; FR:
-    one arrival per covered group). Nobody arrived: an empty update."""
-    if not arrived:
+    the lowest-id arrival of each covered group, a = 1: a worker whose row repeats an
+    earlier arrival's sends the same combination and is left out). Nobody arrived: an
+    empty update."""
+    workers: list[int] = []
+    for i in sorted(arrived):
+        if not any(np.array_equal(B[i], B[j]) for j in workers):
+            workers.append(i)
+    if not workers:
         return {}, 0
-    rows = B[sorted(arrived)]
+    rows = B[workers]
     covered = np.flatnonzero(np.abs(rows).sum(axis=0) > 0)
     a, *_ = np.linalg.lstsq(rows[:, covered].T, np.ones(len(covered)), rcond=None)
-    kept = {i: float(x) for i, x in zip(sorted(arrived), a, strict=True) if abs(x) > 1e-12}
+    kept = {i: float(x) for i, x in zip(workers, a, strict=True) if abs(x) > 1e-12}
     return kept, len(covered)
 
 
@@ -182,13 +248,14 @@ class RoundState:
 
 @dataclass(frozen=True)
 class ClosedRound:
-    """A broadcast round result: the header (without the per-worker next task), the
-    chosen frames' bytes in header order (the arrivals' own, not copied), and the digest
-    of the parameters after the round, which the coordinator sets once it has applied the
-    round (the broadcast does not wait)."""
+    """A broadcast round result: the header (without the per-worker next task and
+    settlement), the chosen frames' bytes in header order (the arrivals' own, not copied),
+    each worker's settlement, and the digest of the parameters after the round, which the
+    coordinator sets once it has applied the round (the broadcast does not wait)."""
 
     header: pb.RoundHeader
     parts: tuple[bytes, ...]
+    settlements: dict[int, pb.Settlement] = field(default_factory=dict)
     digest: Future[str] = field(default_factory=Future)
 
     @property

@@ -28,7 +28,7 @@ from geoloco.coordinator.limits import (
     Watchdog,
 )
 from geoloco.coordinator.registry import RegistryError, WorkerRecord
-from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError
+from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError, worker_task
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.tls import peer_fingerprint
@@ -127,13 +127,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
 
     def task_for(self, worker: int, round: int) -> pb.WorkerTask:
         """What ``worker`` trains and sends in ``round`` (the gradient code decides)."""
-        if round >= self.cfg.rounds or worker >= self.code.n:
-            return pb.WorkerTask(round=round)
-        coeffs = self.code.coefficients(worker)
-        return pb.WorkerTask(
-            round=round, train_partitions=self.code.partition_at(worker, round),
-            send_partitions=[j for j, _ in coeffs], send_coefficients=[c for _, c in coeffs],
-        )
+        return worker_task(self.code, worker, round, self.cfg.rounds)
 
     def FetchState(self, request: pb.FetchStateRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.StateChunk]:
@@ -299,6 +293,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
+        if worker in closed.settlements:
+            header.settlement.CopyFrom(closed.settlements[worker])
         yield pb.RoundUpdate(header=header)
         for part in closed.parts:
             for chunk in transport.chunks(part):

@@ -26,6 +26,7 @@ MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-medium", "gpt-100m")
 METHODS = ("sparseloco", "diloco")
 SCHEMES = ("none", "ignore", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
 INDEX_CODINGS = ("rice", "fixed")
+QUANTIZERS = ("two-level", "four-bin")
 DENSE_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -88,6 +89,10 @@ class CompressionConfig:
     ef_beta: float = 0.95  # error-feedback decay
     tile: int = 64  # 2-D tensors are chunked into tile x tile blocks
     index_coding: str = "rice"  # rice (entropy coded) | fixed (12-bit)
+    # two-level: sign x {lo, hi} per chunk (medians of the halves, bfloat16); four-bin: the
+    # SparseLoCo reference's 4 bins over mean-centred values, scale 6 sigma / 4, bin means
+    # as values, one table per tensor (docs/codec.md; the choice: docs/decisions.md)
+    quantizer: str = "two-level"
     zstd: bool = False  # zstd over frame sections
     dense_dtype: str = "fp32"  # diloco: fp32 | bf16 pseudo-gradients
 
@@ -99,8 +104,10 @@ class OuterConfig:
 
     lr: float | None = None
     momentum: float | None = None
-    aggregation: str = "mean"  # mean: sum of frames / number of frames; mean_kept: per
-    # coordinate, the mean over the frames that kept it (SparseLoCo's aggregation)
+    # mean_kept (SparseLoCo's rule): each coordinate is the mean over the frames that kept
+    # it, wherever that is exact (uncoded, ignore, FR; cyclic codes take the weighted sum);
+    # mean: the weighted sum of the frames divided by all n partitions, always
+    aggregation: str = "mean_kept"
 
 
 @dataclass
@@ -364,6 +371,7 @@ def _check_compression(comp: CompressionConfig) -> None:
     _check_range("compression.ef_beta", comp.ef_beta, 0.0, 1.0)
     _check_range("compression.tile", comp.tile, 4, MAX_TILE)
     _check_choice("compression.index_coding", comp.index_coding, INDEX_CODINGS)
+    _check_choice("compression.quantizer", comp.quantizer, QUANTIZERS)
     _check_choice("compression.dense_dtype", comp.dense_dtype, DENSE_DTYPES)
 
 

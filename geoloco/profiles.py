@@ -102,10 +102,11 @@ STRAGGLER_PROFILE_FORMS = (
     "fixed:FACTOR",
     "exp:T0:MEAN",
     "markov:P_SLOW:P_FAST:FACTOR",
+    "blocks:FACTOR:ROUNDS",
     "trace:PATH",
 )
 _KIND_ALIASES = {"shifted-exponential": "exp"}
-_ARITY = {"none": 0, "fixed": 1, "exp": 2, "markov": 3, "trace": 1}
+_ARITY = {"none": 0, "fixed": 1, "exp": 2, "markov": 3, "blocks": 2, "trace": 1}
 
 
 
@@ -115,7 +116,7 @@ class StragglerProfileError(ValueError):
 
 @dataclass(frozen=True)
 class StragglerProfile:
-    """A parsed profile: ``kind`` is none, fixed, exp, markov or trace."""
+    """A parsed profile: ``kind`` is none, fixed, exp, markov, blocks or trace."""
 
     kind: str
     params: tuple[float, ...] = ()
@@ -194,8 +195,10 @@ def _trace_value(path: Path, row: int, col: int, value: object) -> float:
 
 
 def _check_ranges(profile: str, kind: str, params: tuple[float, ...]) -> None:
-    if kind == "fixed" and params[0] < 1:
+    if kind in ("fixed", "blocks") and params[0] < 1:
         raise _form_error(profile, f"FACTOR must be >= 1, got {params[0]}")
+    if kind == "blocks" and (params[1] < 1 or params[1] != int(params[1])):
+        raise _form_error(profile, f"ROUNDS must be a whole number >= 1, got {params[1]}")
     if kind == "exp" and min(params) < 0:
         raise _form_error(profile, f"T0 and MEAN must be >= 0, got {params}")
     if kind == "markov":

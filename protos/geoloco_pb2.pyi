@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -143,7 +144,7 @@ class FrameInfo(_message.Message):
     def __init__(self, sender: _Optional[int] = ..., weight: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("round", "frames", "aggregation", "alpha", "next_task", "finished", "arrived")
+    __slots__ = ("round", "frames", "aggregation", "alpha", "next_task", "finished", "arrived", "settlement")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +152,7 @@ class RoundHeader(_message.Message):
     NEXT_TASK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    SETTLEMENT_FIELD_NUMBER: _ClassVar[int]
     round: int
     frames: _containers.RepeatedCompositeFieldContainer[FrameInfo]
     aggregation: str
@@ -158,7 +160,26 @@ class RoundHeader(_message.Message):
     next_task: WorkerTask
     finished: bool
     arrived: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ...) -> None: ...
+    settlement: Settlement
+    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ..., settlement: _Optional[_Union[Settlement, _Mapping]] = ...) -> None: ...
+
+class Settlement(_message.Message):
+    __slots__ = ("kind", "sender")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KEEP: _ClassVar[Settlement.Kind]
+        RESTORE: _ClassVar[Settlement.Kind]
+        ADD_BACK: _ClassVar[Settlement.Kind]
+        CREDIT: _ClassVar[Settlement.Kind]
+    KEEP: Settlement.Kind
+    RESTORE: Settlement.Kind
+    ADD_BACK: Settlement.Kind
+    CREDIT: Settlement.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    kind: Settlement.Kind
+    sender: int
+    def __init__(self, kind: _Optional[_Union[Settlement.Kind, str]] = ..., sender: _Optional[int] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "digest")

@@ -11,28 +11,52 @@ import time
 import torch
 from torch import Tensor
 
-from geoloco.compression import Compressor, Layout, decode_frame, encode_dense
+from geoloco.compression import Compressor, Frame, Layout, decode_frame, encode_dense
 from geoloco.config import CompressionConfig
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import apply_round
 
 log = logging.getLogger(__name__)
 
+QUANTIZER_TABLES = {"two-level": "chunk", "four-bin": "bins"}  # compression.quantizer -> Compressor table
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
 
 
 class FrameEncoder:
     """Encodes one round's message for ``layout`` as the run config's compression says."""
 
-    def __init__(self, layout: Layout, compression: CompressionConfig) -> None:
+    def __init__(self, layout: Layout, compression: CompressionConfig, undoable: bool = False) -> None:
         self.layout = layout
         self.compression = compression
-        self.compressor = _compressor(layout, compression) if compression.method == "sparseloco" else None
+        self.compressor = _compressor(layout, compression, undoable) if compression.method == "sparseloco" else None
 
     def encode(self, message: list[Tensor], round_: int, sender: int) -> bytes:
         if self.compressor is not None:
             return self.compressor.compress(message, round=round_, sender=sender)
         return encode_dense(self.layout, message, round=round_, sender=sender,
                             dtype=self.compression.dense_dtype, zstd=self.compression.zstd)
+
+    def settle(self, settlement: pb.Settlement, own: bytes, applied: list[Frame]) -> None:
+        """Settle the error feedback of this round's frame ``own`` by what the round header
+        says became of it (docs/gradient-coding.md, "Error feedback that loses nothing"):
+        RESTORE undoes the compression, ADD_BACK adds the frame back, CREDIT adds it back and
+        takes out the group-mate's frame that was applied in its place. Dense frames carry
+        no error feedback."""
+        kinds = pb.Settlement
+        if self.compressor is None or settlement.kind == kinds.KEEP:
+            return
+        if settlement.kind == kinds.RESTORE:
+            self.compressor.restore()
+            return
+        frame = decode_frame(own, self.layout)
+        if settlement.kind == kinds.CREDIT:
+            mate = next((f for f in applied if f.sender == settlement.sender), None)
+            if mate is None:
+                raise ValueError(f"settlement credits worker {settlement.sender}'s frame, which the round did not apply")
+            if same_values(frame, mate):
+                return  # the usual case: the same message from the same parameters, the same frame
+            self.compressor.add_frame(mate, -1.0)
+        self.compressor.add_frame(frame, 1.0)
 
     def warm_up(self) -> None:
         """Compress, decode and apply a small stand-in model once, so the codec's compiled
@@ -51,6 +75,13 @@ class FrameEncoder:
         log.info("codec kernels ready in %.2fs", time.monotonic() - start)
 
 
-def _compressor(layout: Layout, comp: CompressionConfig) -> Compressor:
+def same_values(a: Frame, b: Frame) -> bool:
+    """Whether two sparse frames keep the same coordinates with the same values."""
+    return all(torch.equal(i, j) and torch.equal(x, y)
+               for i, j, x, y in zip(a.indices, b.indices, a.values, b.values, strict=True))
+
+
+def _compressor(layout: Layout, comp: CompressionConfig, undoable: bool = False) -> Compressor:
     return Compressor(layout, density=comp.density, beta=comp.ef_beta, tile=comp.tile,
-                      index_coding=comp.index_coding, zstd=comp.zstd)
+                      index_coding=comp.index_coding, zstd=comp.zstd, undoable=undoable,
+                      table=QUANTIZER_TABLES[comp.quantizer])

@@ -29,7 +29,7 @@ from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
-from geoloco.worker.stragglers import StragglerModel, make_straggler
+from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
 from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
 from geoloco.worker.trainer import InnerStep, InnerTrainer, describe_device, resolve_device
 
@@ -87,7 +87,7 @@ class Training:
             raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
         straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
-        encoder = FrameEncoder(layout, cfg.compression)
+        encoder = FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none")
         encoder.warm_up()
         return cls(cfg, trainer, layout, encoder, straggler)
 
@@ -214,10 +214,11 @@ class Worker:
         return ok
 
     def emulate_straggler(self, trained: Trained) -> None:
+        """A slower worker's extra compute, spent computing (the core stays busy)."""
         delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
         if delay > 0:
-            log.info("round %d: straggler emulation sleeps %.2fs", self.round, delay)
-            time.sleep(delay)
+            log.info("round %d: straggler emulation computes %.2fs more", self.round, delay)
+            occupy(delay)
 
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""
@@ -255,6 +256,8 @@ class Worker:
             return self.resync(header)
         self.counters.bytes_received += result.nbytes
         self.counters.rounds_applied += 1
+        if self.outbox is not None and self.outbox.round == header.round:
+            self.training.encoder.settle(header.settlement, self.outbox.frame, result.applied)
         log.info("round %d applied: %d frames from %s in %.2fs", header.round, len(header.frames),
                  list(header.arrived), self.apply_s)
         self.round, self.task, self.outbox = header.round + 1, header.next_task, None

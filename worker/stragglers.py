@@ -12,19 +12,25 @@ Profiles are strings (config and CLI), parsed by ``geoloco.profiles.parse_stragg
     exp:T0:MEAN                    extra = T0 + Exp(MEAN) seconds       T0, MEAN >= 0
     markov:P_SLOW:P_FAST:F         bursty: fast->slow with P_SLOW, slow->fast with P_FAST,
                                    extra = (F - 1) * compute while slow
+    blocks:F:K                     extra = (F - 1) * compute in rounds K..2K-1, 3K..4K-1, ...
+                                   (none in the others: a run measures both side by side)
     trace:PATH                     replay row worker_id of an n x rounds table (CSV or JSON)
                                    of extra seconds, cyclically past its last round
 
 Every draw is a function of (seed, worker_id, round index) only, so a model answers the same
-for the same round whatever order rounds are asked in.
+for the same round whatever order rounds are asked in. The worker spends the extra time
+computing (``occupy``), so an emulated straggler keeps its core busy as a slower worker's
+compute would, rather than freeing it for the others on a shared machine.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from geoloco.profiles import load_trace_row, parse_straggler_profile
 
@@ -101,6 +107,21 @@ class MarkovBursty(StragglerModel):
 
 
 @dataclass(frozen=True)
+class SlowBlocks(StragglerModel):
+    """``factor`` times slower in every other block of ``rounds`` rounds (the second, the
+    fourth, ...), as fast as the others in the rest."""
+
+    factor: float
+    rounds: int
+
+    def is_slow(self, round_index: int) -> bool:
+        return (round_index // self.rounds) % 2 == 1
+
+    def extra_delay(self, round_index: int, compute_s: float) -> float:
+        return (self.factor - 1.0) * compute_s if self.is_slow(round_index) else 0.0
+
+
+@dataclass(frozen=True)
 class TraceReplay(StragglerModel):
     """Replays one worker's row of a recorded delay table, cyclically past its end."""
 
@@ -124,9 +145,25 @@ def make_straggler(profile: str, worker_id: int, seed: int) -> StragglerModel:
         return ShiftedExponential(p[0], p[1], worker_id, seed)
     if parsed.kind == "markov":
         return MarkovBursty(p[0], p[1], p[2], worker_id, seed)
+    if parsed.kind == "blocks":
+        return SlowBlocks(p[0], int(p[1]))
     if parsed.kind == "trace":
         return TraceReplay(tuple(load_trace_row(parsed.path, worker_id)))
     return NoStragglers()
+
+
+OCCUPY_SIDE = 64  # the busy loop multiplies 64 x 64 matrices: a few microseconds each
+
+
+def occupy(seconds: float) -> None:
+    """Keep this thread computing for ``seconds`` of wall time (small matrix products), as
+    the extra compute of a slower worker would: the core stays busy, so the other workers
+    on a shared machine do not get it (a sleep would hand it to them)."""
+    end = time.monotonic() + seconds
+    a = torch.ones(OCCUPY_SIDE, OCCUPY_SIDE)
+    b = torch.empty_like(a)
+    while time.monotonic() < end:
+        torch.mm(a, a, out=b)
 
 
 def _round_rng(seed: int, worker_id: int, round_index: int) -> np.random.Generator:

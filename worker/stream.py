@@ -38,6 +38,7 @@ class RoundResult:
     frames: queue.Queue[Frame | Exception] = field(default_factory=queue.Queue)
     last_byte_at: Future[float] = field(default_factory=Future)  # monotonic time the frames were in
     digest: Future[str] = field(default_factory=Future)  # Disconnected if it never comes
+    applied: list[Frame] = field(default_factory=list)  # the frames apply_to has applied, in order
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +61,7 @@ class RoundResult:
             item = self.frames.get()
             if isinstance(item, Exception):
                 raise item
+            self.applied.append(item)
             yield item
 
 

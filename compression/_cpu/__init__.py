@@ -17,28 +17,41 @@ from collections.abc import Sequence
 
 import torch
 
-from ..format import SparseSections
+from ..format import SparseSections, is_bins_frame
 from ..layout import ChunkGrid, Layout
+from ..reference import ReferenceBody, ReferenceEncoder, decode_sparse
 from . import decoder
 from .encoder import NumbaEncoder
 
 
 class NumbaBackend:
-    """Encodes error feedback in CPU memory, decodes anything, adds into fp32 CPU params."""
+    """Encodes error feedback in CPU memory, decodes anything, adds into fp32 CPU params.
+    Frames of the 4-bin quantizer (``bins``) have no kernels here: they are encoded and
+    decoded by the reference, explicitly, and applied by ``apply_frames``."""
 
     name = "numba"
 
     def encodes(self, device: torch.device) -> bool:
         return device.type == "cpu"
 
-    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> NumbaEncoder:
+    def encoder(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool,
+                bins: bool = False) -> NumbaEncoder | ReferenceEncoder:
+        if bins:
+            return ReferenceEncoder(grids, k_full, per_chunk, fixed, bins)
         return NumbaEncoder(grids, k_full, per_chunk, fixed)
 
-    def decode(self, sections: SparseSections, into: decoder.ApplyTarget | None = None) -> decoder.NumbaBody:
+    def decode(self, sections: SparseSections,
+               into: decoder.ApplyTarget | None = None) -> decoder.NumbaBody | ReferenceBody:
+        if sections.geometry.bins:
+            if into is not None:
+                raise ValueError("bins frames are not applied while decoding (start_apply returns None for them)")
+            return decode_sparse(sections)
         return decoder.decode(sections, into)
 
     def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,
                     alpha: float) -> decoder.ApplyTarget | None:
+        if is_bins_frame(data):
+            return None
         addrs = decoder.cpu_addresses(layout, params)
         return None if addrs is None else decoder.ApplyTarget(data, addrs, weight, alpha)
 

@@ -48,7 +48,10 @@ class NumbaEncoder:
     """Encodes CPU error feedback: each call reads the current buffers and writes the next
     state into spare ones, returned as the new state (the old ones become the spares), so
     that a NaN or Inf leaves the state as it was. It keeps its output arrays, and the
-    numpy views of the buffers, from call to call."""
+    numpy views of the buffers, from call to call. After a call the spares hold the state
+    before it, untouched until the next call."""
+
+    in_place = False
 
     def __init__(self, grids: Sequence[ChunkGrid], k_full: int, per_chunk: bool, fixed: bool) -> None:
         self.grids = list(grids)

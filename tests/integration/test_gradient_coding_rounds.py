@@ -101,8 +101,8 @@ def test_pgc_fr_run_survives_a_killed_worker(processes: Processes, tmp_path: Pat
     check_digests(run_dir, worker_reports(reports), [1, 2, 3], rounds)
 
 
-def straggler_sleeps(log: str) -> list[float]:
-    return [float(s) for s in re.findall(r"straggler emulation sleeps ([0-9.]+)s", log)]
+def straggler_delays(log: str) -> list[float]:
+    return [float(s) for s in re.findall(r"straggler emulation computes ([0-9.]+)s more", log)]
 
 
 def test_fixed_straggler_is_not_waited_for_under_pgc_fr(processes: Processes, tmp_path: Path) -> None:
@@ -114,12 +114,14 @@ def test_fixed_straggler_is_not_waited_for_under_pgc_fr(processes: Processes, tm
         assert 0 not in m["chosen"], m  # its group-mate, worker 1, stands in for it
         assert m["close_reason"] == "decodable", m
         assert set(m["partitions_trained"].values()) == ({2} if m["round"] == 0 else {1}), m
-    sleeps = straggler_sleeps((run_dir / "logs" / "worker-0.log").read_text())
-    assert sleeps, "the straggler never slept"
+    delays = straggler_delays((run_dir / "logs" / "worker-0.log").read_text())
+    assert delays, "the straggler was never delayed"
     round_s = statistics.median(m["round_seconds"] for m in lines)
-    assert round_s < statistics.median(sleeps), (round_s, sleeps)
+    assert round_s < statistics.median(delays), (round_s, delays)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["late_frames"] == sum(m["late_frames"] for m in lines)
+    per_round = sum(m["late_frames"] for m in lines)
+    # the total also counts a last-round frame that came after the last round had closed
+    assert per_round <= summary["late_frames"] <= per_round + 1, (summary["late_frames"], per_round)
     assert summary["worst_case_coefficient"] == 1.0 and summary["coding_scheme"] == "pgc-fr"
     check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(4)), rounds)
 
@@ -173,9 +175,12 @@ def test_stragglers_benchmark_quick_prints_the_json_keys(tmp_path: Path) -> None
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result) == {"none", "pgc-fr", "no_straggler_round_s"}
-    keys = {"round_s_mean", "round_s_p95", "partitions_per_worker_round", "loss_equal_rounds", "loss_equal_time"}
+    assert set(result) == {"n=2 s=1"}
+    case = result["n=2 s=1"]
+    assert set(case) == {"none", "pgc-fr", "load_average"}
+    keys = {"base_round_s", "straggler_round_s", "x_base", "final_val_loss", "loss_vs_none"}
     for scheme in ("none", "pgc-fr"):
-        assert set(result[scheme]) == keys, result[scheme]
-    assert result["pgc-fr"]["partitions_per_worker_round"] == 1.0
-    assert result["no_straggler_round_s"] > 0
+        assert set(case[scheme]) == keys, case[scheme]
+        assert all(len(v) == 2 for v in case[scheme].values())  # mean, sd
+    assert case["none"]["loss_vs_none"][0] == 0.0
+    assert case["none"]["base_round_s"][0] > 0

@@ -68,7 +68,8 @@ CASES = [
     ([(130, 200), (77,)], 16, 1 / 16, "tiny"),
     ([(33, 65), (5, 5, 5)], 4, 0.5, "huge range"),
 ]
-CODECS = [("chunk", "rice"), ("tensor", "fixed"), ("chunk", "fixed"), ("tensor", "rice")]
+CODECS = [("chunk", "rice"), ("tensor", "fixed"), ("chunk", "fixed"), ("tensor", "rice"), ("bins", "rice"),
+          ("bins", "fixed")]
 ROUNDS = 3
 
 
@@ -191,6 +192,53 @@ def _check_tensor(g: ChunkGrid, k_full: int, per_chunk: bool, pre, indices, vals
         _check_levels(pre[torch.cat([w for w, _ in groups])], torch.cat([v for _, v in groups]))
 
 
+@pytest.mark.parametrize("backend", NAMES)
+@pytest.mark.parametrize("case", [c for c in CASES if math.prod(c[0][0]) <= 100_000], ids=_case_id)
+def test_bins_frames_meet_the_reference_quantizer(backend, case):
+    """With table="bins": per chunk the top-k as above; per tensor, each kept value codes
+    as its bin round(centred / (6 sigma / 4) + 2) clamped to 0..3 (centred on the mean,
+    sigma = |centred| / sqrt(k - 1)) and decodes as its bin's mean, recomputed here in
+    float64 (codes within 1e-4 of a bin edge, where fp32 rounding decides, are skipped)."""
+    shapes, tile, density, pattern = case
+    if pattern in ("tiny", "huge range"):  # fp32 sums of these differ from float64 ones beyond any tolerance
+        pytest.skip("float64 recomputation does not apply")
+    layout = _layout(shapes)
+    comp = Compressor(layout, density=density, tile=tile, table="bins", beta=0.9, backend=backend)
+    deltas = [values(s, pattern, i) for i, s in enumerate(shapes)]
+    frame = decode_frame(comp.compress(deltas, round=0, sender=0), layout, backend=backend)
+    for j, spec in enumerate(layout.specs):
+        if not spec.numel:
+            continue
+        pre = deltas[j].reshape(-1)
+        _check_topk(ChunkGrid.of(spec.shape, tile), comp.k, pre, frame.indices[j])
+        x = pre[frame.indices[j]].double()
+        c = x - x.mean()
+        std = c.norm() / math.sqrt(len(x) - 1) if len(x) > 1 else torch.tensor(math.inf)
+        scale = 6 * std / 4 if 0 < float(std) < math.inf else torch.tensor(1.0, dtype=torch.float64)
+        raw = c / scale + 2
+        q = raw.round().clamp(0, 3)
+        sure = (raw - raw.floor() - 0.5).abs() > 1e-4
+        table = sorted(set(frame.values[j].tolist()))
+        assert len(table) <= 4, "more than 4 distinct values in one tensor"
+        for b in range(4):
+            members = (q == b) & sure
+            if members.any():
+                want = float(x[q == b].mean())
+                got = frame.values[j][members].double()
+                assert torch.allclose(got, torch.full_like(got, want), rtol=1e-4, atol=1e-6), (spec.name, b)
+        assert torch.equal(comp.error[j][frame.indices[j]], pre[frame.indices[j]] - frame.values[j])
+
+
+def _check_topk(g: ChunkGrid, k_full: int, pre, indices) -> None:
+    at = 0
+    for c, n in enumerate(g.chunk_sizes()):
+        flat = g.flat_index(torch.full((n,), c), torch.arange(n))
+        k = min(n, -(-k_full * n // g.size))
+        order = sorted(range(n), key=lambda p: (-abs(float(pre[flat[p]])), p))
+        assert torch.equal(indices[at:at + k], flat[sorted(order[:k])]), f"chunk {c}: not its top-k"
+        at += k
+
+
 def _check_levels(x: torch.Tensor, decoded: torch.Tensor) -> None:
     m = sorted((abs(float(a)) for a in x), reverse=True)
     k, h = len(m), len(m) // 2
@@ -240,7 +288,7 @@ def test_the_same_verdict_on_damaged_frames(backend):
     seeds = [Compressor(layout, density=d, tile=t, table=table, index_coding=coding).compress(
         [values(s.shape, "normal", 5) for s in layout.specs], round=0, sender=0)
         for d, t, table, coding in ((1 / 16, 16, "chunk", "rice"), (1 / 64, 8, "tensor", "fixed"),
-                                    (1 / 256, 16, "chunk", "rice"))]
+                                    (1 / 256, 16, "chunk", "rice"), (1 / 16, 16, "bins", "rice"))]
     seeds.append(encode_dense(layout, [values(s.shape, "normal", 6) for s in layout.specs], round=0, sender=0,
                               dtype="bf16"))
     rng = random.Random(4)

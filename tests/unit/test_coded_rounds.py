@@ -1,6 +1,7 @@
 """Gradient coding inside a round, without a server: the close policy decodes as soon as
 it can, the deadline fallback covers what arrived, the coded messages aggregate to the mean
-pseudo-gradient, and ``mean_kept`` is refused for coded schemes."""
+pseudo-gradient, ``mean_kept`` is used wherever it is exact (one frame per FR group) and the
+weighted sum elsewhere, and each worker is told how to settle its frame's error feedback."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 
 from geoloco.cli import main
 from geoloco.compression import Layout, decode_frame, encode_dense
-from geoloco.config import SCHEMES, ConfigError, OuterConfig, load_config
-from geoloco.coordinator.app import Coordinator
+from geoloco.config import SCHEMES, OuterConfig, load_config
 from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.metrics import RoundMetrics, RunTotals
-from geoloco.coordinator.outer import SparseLoCoOuter, apply_update, check_aggregation
+from geoloco.coordinator.outer import SparseLoCoOuter, aggregation_note, apply_update, mean_weights
 from geoloco.coordinator.rounds import Arrival, CodePolicy, deadline_decoding
+from geoloco.protos import geoloco_pb2 as pb
 
 N, S = 4, 1
 
@@ -44,6 +45,13 @@ def test_deadline_fallback_averages_the_covered_partitions() -> None:
     assert deadline_decoding(fr.B, []) == ({}, 0)
     decision = CodePolicy(fr).decide([3], deadline_passed=True)
     assert decision.reason == "deadline" and decision.covered == 2
+
+
+def test_deadline_takes_one_frame_per_fr_group() -> None:
+    """Two group-mates send the same combination: the fallback takes the lower id with
+    a = 1 (least squares over both would split it 0.5 / 0.5)."""
+    coefficients, covered = deadline_decoding(make_code("gc-fr", N, S).B, [0, 1])
+    assert coefficients == pytest.approx({0: 1.0}) and covered == 2
 
 
 def layout() -> Layout:
@@ -81,23 +89,48 @@ def test_decoded_update_is_minus_lr_times_the_mean_pseudo_gradient(scheme: str) 
         torch.testing.assert_close(p, (-0.5 * mean).float(), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["ignore", "gc-fr", "pgc-cr"])
-def test_mean_kept_is_refused_for_coded_schemes(scheme: str, tmp_path) -> None:
-    cfg = load_config(overrides={"workers": "4", "coding.scheme": scheme, "coding.stragglers": "1",
-                                 "outer.aggregation": "mean_kept"})
-    with pytest.raises(ConfigError, match="outer.aggregation 'mean_kept'"):
-        check_aggregation(cfg)
-    with pytest.raises(ConfigError, match=scheme):
-        Coordinator(cfg, tmp_path / "run")
-    check_aggregation(load_config(overrides={"workers": "4", "outer.aggregation": "mean_kept"}))
+@pytest.mark.parametrize("scheme, arrived, mode, weights", [
+    ("none", [0, 1, 2, 3], "mean_kept", [1.0] * 4),
+    ("ignore", [0, 2, 3], "mean_kept", [1.0] * 3),  # the mean over the arrived keepers
+    ("gc-fr", [1, 2, 3], "mean_kept", [0.5, 0.5]),  # one frame per group, each of 2 partitions
+    ("pgc-fr", [0, 3], "mean_kept", [0.5, 0.5]),
+    ("gc-cr", [0, 1, 2], "sum", None),  # overlapping weighted rows: the weighted sum
+    ("pgc-cr", [0, 1, 3], "sum", None),
+])
+def test_mean_kept_where_exact_and_the_weighted_sum_elsewhere(scheme, arrived, mode, weights) -> None:
+    decision = CodePolicy(make_code(scheme, N, 0 if scheme == "none" else S)).decide(arrived, False)
+    got, got_mode = mean_weights(decision, "mean_kept")
+    assert got_mode == mode
+    if weights is None:
+        assert got == pytest.approx([a / N for _, a in sorted(decision.coefficients.items())])
+    else:
+        assert got == pytest.approx(weights)
+    assert mean_weights(decision, "mean")[1] == "sum"
 
 
-def test_coordinator_command_exits_2_on_mean_kept_with_a_code(tmp_path, capsys, monkeypatch) -> None:
-    monkeypatch.setenv("GEOLOCO_TOKEN", "a-token")
-    code = main(["coordinator", "--run-dir", str(tmp_path), "--set", "coding.scheme=pgc-fr",
-                 "--set", "coding.stragglers=1", "--set", "outer.aggregation=mean_kept"])
-    assert code == 2
-    assert "mean_kept" in capsys.readouterr().err
+def test_the_cyclic_codes_say_they_take_the_weighted_sum() -> None:
+    cfg = load_config(overrides={"workers": "4", "coding.scheme": "gc-cr", "coding.stragglers": "1"})
+    assert cfg.outer.aggregation == "mean_kept" and "weighted sum" in aggregation_note(cfg)
+    assert aggregation_note(load_config(overrides={"workers": "4", "coding.scheme": "pgc-fr",
+                                                   "coding.stragglers": "1"})) is None
+
+
+@pytest.mark.parametrize("scheme, arrived, deadline, want", [
+    ("none", [0, 1, 2, 3], False, {i: "KEEP" for i in range(4)}),
+    ("none", [0, 2], True, {0: "KEEP", 1: "ADD_BACK", 2: "KEEP", 3: "ADD_BACK"}),
+    ("ignore", [0, 1, 2], False, {0: "KEEP", 1: "KEEP", 2: "KEEP", 3: "RESTORE"}),
+    ("gc-fr", [1, 2, 3], False, {0: ("CREDIT", 1), 1: "KEEP", 2: "KEEP", 3: ("CREDIT", 2)}),
+    ("pgc-fr", [1, 2, 3], False, {0: "RESTORE", 1: "KEEP", 2: "KEEP", 3: "RESTORE"}),
+    ("gc-fr", [0, 1], True, {0: "KEEP", 1: ("CREDIT", 0), 2: "ADD_BACK", 3: "ADD_BACK"}),
+    ("gc-cr", [0, 1, 2], False, {0: "KEEP", 1: "KEEP", 2: "KEEP", 3: "RESTORE"}),
+])
+def test_each_worker_is_told_what_became_of_its_frame(scheme, arrived, deadline, want) -> None:
+    policy = CodePolicy(make_code(scheme, N, 0 if scheme == "none" else S))
+    decision = policy.decide(arrived, deadline)
+    for worker, expected in want.items():
+        kind, sender = expected if isinstance(expected, tuple) else (expected, 0)
+        got = policy.settlement(decision, worker)
+        assert (pb.Settlement.Kind.Name(got.kind), got.sender) == (kind, sender), worker
 
 
 def test_partitions_per_worker_round_counts_the_arrived_frames() -> None:

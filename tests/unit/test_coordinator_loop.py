@@ -135,7 +135,7 @@ def test_broadcast_goes_first_and_fetch_state_waits_for_the_apply(tmp_path: Path
         assert run.push(a, 0, run.frame(0, 0)).accepted
         rs = run.state.wait_for_close(run.loop.policy)
         update = run.loop.outer.step(rs.round, rs.chosen(), rs.decision)
-        closed = round_result(rs, update, finished=False)
+        closed = round_result(rs, update, {}, finished=False)
         fetched = []
         fetch = threading.Thread(target=lambda: fetched.append(run.state.snapshot(a)))
         with run.state.publishing(closed):

@@ -32,8 +32,8 @@ def dense_arrival(lay: Layout, worker: int, round: int, seed: int) -> tuple[Arri
 def test_wait_for_all_closes_only_when_all_arrived_or_at_the_deadline():
     policy = CodePolicy(make_code("none", 3, 0))
     assert policy.decide([0, 1], deadline_passed=False) is None
-    assert policy.decide([0, 1, 2], False) == Decision({0: 1.0, 1: 1.0, 2: 1.0}, 3, "all arrived")
-    assert policy.decide([2, 0], True) == Decision({0: 1.0, 2: 1.0}, 2, "deadline")
+    assert policy.decide([0, 1, 2], False) == Decision({0: 1.0, 1: 1.0, 2: 1.0}, 3, "all arrived", True)
+    assert policy.decide([2, 0], True) == Decision({0: 1.0, 2: 1.0}, 2, "deadline", True)
     assert policy.decide([], True) == Decision({}, 0, "deadline")
 
 
@@ -70,14 +70,16 @@ def test_round_state_refuses_wrong_round_duplicates_and_late_frames():
 def test_sparseloco_broadcasts_the_workers_frames_with_mean_weights():
     lay = layout()
     arrivals = [dense_arrival(lay, i, 0, seed=i)[0] for i in range(2)]
-    outer = SparseLoCoOuter(lay, OuterConfig(lr=1.0, momentum=0.0))
+    outer = SparseLoCoOuter(lay, OuterConfig(lr=1.0, momentum=0.0, aggregation="mean"))
     decision = Decision({0: 1.0, 1: 1.0}, 2, "all arrived")
     update = outer.step(0, [(a, 1.0) for a in arrivals], decision)
     assert [f.data for f in update.frames] == [a.data for a in arrivals]
     assert [f.weight for f in update.frames] == [0.5, 0.5] and update.alpha == -1.0
+    disjoint = Decision({0: 1.0, 1: 1.0}, 2, "all arrived", disjoint=True)
     kept = SparseLoCoOuter(lay, OuterConfig(lr=1.0, momentum=0.0, aggregation="mean_kept"))
-    update = kept.step(0, [(a, 1.0) for a in arrivals], decision)
+    update = kept.step(0, [(a, 1.0) for a in arrivals], disjoint)
     assert update.mode == "mean_kept" and [f.weight for f in update.frames] == [1.0, 1.0]
+    assert kept.step(0, [(a, 1.0) for a in arrivals], decision).mode == "sum"  # not known to be exact
 
 
 def test_diloco_matches_torch_nesterov_sgd_over_three_rounds():

@@ -232,3 +232,30 @@ def test_cr_is_deterministic_given_seed() -> None:
 def test_partition_at_rejects_negative_round() -> None:
     with pytest.raises(ValueError, match="round must be >= 0, got -1"):
         make_code("pgc-fr", 4, 1).partition_at(0, -1)
+
+
+@pytest.mark.parametrize("n, s", [(4, 1), (6, 2), (8, 1), (8, 3)])
+def test_aligned_ages_train_each_partition_at_every_holder_in_the_same_rounds(n: int, s: int) -> None:
+    code = make_code("pgc-cr", n, s, aligned=True)
+    for t in range(1, 3 * (s + 1)):
+        trained = {i: code.partition_at(i, t)[0] for i in range(n)}
+        for p in range(n):
+            holders = [i for i in range(n) if p in code.partitions(i)]
+            assert len({trained[i] == p for i in holders}) == 1, (t, p)  # all of them or none
+    with pytest.raises(ValueError, match=r"\(s \+ 1\) to divide n"):
+        make_code("pgc-cr", 8, 2, aligned=True)
+
+
+@pytest.mark.parametrize("aligned, low, high", [(False, -1.4455, 2.4455), (True, 1.0, 1.0)])
+def test_per_age_weights_sum_to_one_and_extrapolate_only_when_ages_mix(aligned, low, high) -> None:
+    from geoloco.coordinator.gradient_coding import age_weight_range, age_weights
+
+    code = make_code("pgc-cr", 4, 1, aligned=aligned)
+    for arrived in ([0, 1, 2], [1, 2, 3], [0, 2, 3]):
+        for t in (4, 5):
+            weights = age_weights(code, arrived, t)
+            for p in range(4):
+                assert sum(w for (q, _), w in weights.items() if q == p) == pytest.approx(1.0)
+            if aligned:
+                assert len(weights) == 4  # one version of each partition
+    assert age_weight_range(code) == pytest.approx((low, high), abs=1e-4)

@@ -129,3 +129,23 @@ def test_make_straggler_rejects_negative_ids() -> None:
         make_straggler("exp:0:1", -1, 0)
     with pytest.raises(ValueError, match="round_index must be >= 0, got -3"):
         make_straggler("exp:0:1", 0, 0).extra_delay(-3, 1.0)
+
+
+def test_slow_blocks_alternate_fast_and_slow_blocks_of_rounds() -> None:
+    model = make_straggler("blocks:4:3", 0, 0)
+    assert [model.extra_delay(t, 1.0) for t in range(12)] == [0.0] * 3 + [3.0] * 3 + [0.0] * 3 + [3.0] * 3
+    for bad in ("blocks:0.5:3", "blocks:4:0", "blocks:4:1.5", "blocks:4"):
+        with pytest.raises(StragglerProfileError):
+            parse_profile(bad)
+
+
+def test_the_emulated_extra_time_is_spent_computing() -> None:
+    """occupy keeps the thread busy (a sleep would leave its CPU time near zero)."""
+    import time
+
+    from geoloco.worker.stragglers import occupy
+
+    wall, cpu = time.monotonic(), time.thread_time()
+    occupy(0.2)
+    assert time.monotonic() - wall >= 0.2
+    assert time.thread_time() - cpu > 0.01
