@@ -9,6 +9,7 @@ worker, so more workers see more tokens. DiLoCo does not depend on the density: 
 base-point loss is the flat line of that plot.
 
     python -m benchmarks.sweeps            # 12 runs, ~10-20 min on 2 cores
+    python -m benchmarks.sweeps --steps-per-worker 120   # half the tokens, ~7 min
     python -m benchmarks.sweeps --quick    # 2 workers, 2 rounds of H=2: a smoke test, no plots
 
 Prints a table per sweep, writes docs/img/sweep-<name>.png, and ends with one JSON line.
