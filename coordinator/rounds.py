@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -54,10 +54,11 @@ class Decision:
     @property
     def exact(self) -> bool:
         """The chosen frames decode the covered partitions exactly (not a deadline's best effort)."""
-        return self.reason in ("all arrived", "decodable")
+        return self.reason.removesuffix(BOUNDED) in ("all arrived", "decodable")
 
 
 CLOSE_REASONS = ("all arrived", "decodable", "deadline")
+BOUNDED = ", bounded"  # appended to the reason when the frame bounds dropped a frame
 
 
 class ClosePolicy(Protocol):
@@ -221,12 +222,12 @@ class RoundState:
             self.rejected += len(rejected)
             kept = sorted(set(self.arrivals) - rejected)
             decision = policy.decide(kept, True)
-            decision = Decision(decision.coefficients, decision.covered, decision.reason + ", bounded")
-        if scale:
+            decision = replace(decision, reason=decision.reason + BOUNDED)
+        if scale:  # a clipped frame still counts as one of the keepers, scaled down
             for worker in scale:
                 self.clipped_by[worker] = self.clipped_by.get(worker, 0) + 1
             coefficients = {i: a * scale.get(i, 1.0) for i, a in decision.coefficients.items()}
-            decision = Decision(coefficients, decision.covered, decision.reason)
+            decision = replace(decision, coefficients=coefficients)
         self.decision = decision
 
     def try_close(self, policy: ClosePolicy) -> Decision | None:

@@ -26,7 +26,7 @@ def test_simulate_ends_with_the_parameters_of_a_local_run(scheme: str, tmp_path:
         "run_dir": str(tmp_path / "run"), "coding.scheme": scheme,
         "coding.stragglers": 0 if scheme == "none" else 1,
     })
-    assert run_local(cfg) == 0
+    assert run_local(cfg).ok
     reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "run" / "workers").glob("worker-*.json"))]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     result = simulate(cfg)

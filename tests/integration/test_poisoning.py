@@ -1,8 +1,12 @@
 """Two workers that hold the token and push poisoned frames (one scaled by 1e6, one with
 every quantizer level at 3.4e38, both with a valid checksum: geoloco.worker.faults) beside
 two honest workers, against the real coordinator: every poisoned frame is rejected, the
-offenders are named in the log and the metrics, the honest workers finish, and the final
-validation loss stays within 1 % of a clean run with the same seed."""
+offenders are named in the log and the metrics, the honest workers finish, and the run
+ends exactly where a run ends whose two offenders push nothing at all (same seed): the
+poisoned frames have no effect beyond their absence. Against a clean run of four honest
+workers the attacked run has half the data; that figure is printed, not bounded (with
+SparseLoCo's per-coordinate mean two workers' frames give a full step, not half a step,
+so it is the loss of training on two partitions instead of four)."""
 
 from __future__ import annotations
 
@@ -23,16 +27,17 @@ TOKEN = "poison-test"
 ROUNDS = 6
 LOSS_TOLERANCE = 0.01
 POISONS = {2: Fault.SCALE_FRAME, 3: Fault.MAX_LEVELS}  # worker id -> what it sends
+ABSENT_DEADLINE_S = 4.0
 
 
-def train(run_dir: Path, poisons: dict[int, Fault]) -> tuple[dict, list[dict], dict[int, int]]:
+def train(run_dir: Path, poisons: dict[int, Fault], deadline_s: float = 120.0) -> tuple[dict, list[dict], dict[int, int]]:
     """Four in-process workers (joined in id order) against a coordinator; the summary, the
     metrics lines and each worker's exit code."""
     cfg = load_config(overrides={
         "workers": 4, "rounds": ROUNDS, "seed": 0, "task.model": "gpt-tiny", "task.seq_len": 32,
         "task.batch_size": 8, "task.val_batches": 2, "task.corpus_bytes": 300_000, "inner.steps": 6,
         "inner.warmup_steps": 3, "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
-        "coordinator.checkpoint_every": 0, "coordinator.deadline_s": 120.0,
+        "coordinator.checkpoint_every": 0, "coordinator.deadline_s": deadline_s,
         "coordinator.join_timeout_s": 120.0})
     coordinator = Coordinator(cfg, run_dir)
     address = f"127.0.0.1:{coordinator.start()}"
@@ -58,7 +63,9 @@ def runs(tmp_path_factory) -> dict:
         poisoned = train(tmp_path_factory.mktemp("poisoned"), POISONS)
     finally:
         logging.getLogger("geoloco.coordinator").removeHandler(handler)
-    return {"clean": clean, "poisoned": poisoned, "log": handler.lines}
+    # the offenders silent instead: each round closes at its deadline with the honest two
+    absent = train(tmp_path_factory.mktemp("absent"), dict.fromkeys(POISONS, Fault.DROP_PUSH), ABSENT_DEADLINE_S)
+    return {"clean": clean, "poisoned": poisoned, "absent": absent, "log": handler.lines}
 
 
 class Captured(logging.Handler):
@@ -91,9 +98,12 @@ def test_the_clean_run_loses_nothing_to_the_bounds(runs) -> None:
     assert summary["rejected_by_worker"] == {}
 
 
-def test_the_final_loss_is_within_1_percent_of_the_clean_run(runs, capsys) -> None:
+def test_poisoned_frames_change_nothing_but_their_absence(runs, capsys) -> None:
     clean, poisoned = runs["clean"][0]["final_val_loss"], runs["poisoned"][0]["final_val_loss"]
+    absent = runs["absent"][0]["final_val_loss"]
     with capsys.disabled():
-        print(f"\npoisoning: final validation loss {poisoned:.4f} under attack, {clean:.4f} clean "
-              f"({(poisoned - clean) / clean:+.2%}); initial {runs['clean'][0]['initial_val_loss']:.4f}")
-    assert abs(poisoned - clean) <= LOSS_TOLERANCE * clean
+        print(f"\npoisoning: final validation loss {poisoned:.4f} under attack, {absent:.4f} with the "
+              f"two offenders silent ({(poisoned - absent) / absent:+.2%}), {clean:.4f} with four honest "
+              f"workers ({(poisoned - clean) / clean:+.2%}); initial {runs['clean'][0]['initial_val_loss']:.4f}")
+    assert all(m["chosen"] == [0, 1] for m in runs["absent"][1])
+    assert abs(poisoned - absent) <= LOSS_TOLERANCE * absent
