@@ -34,6 +34,7 @@ from geoloco.metrics_server import MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
+from geoloco.run_dir import claim_run_dir
 from geoloco.tasks import build_task
 from geoloco.tls import server_credentials
 
@@ -232,11 +233,19 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
             "worst_case_coefficient": code.worst_case_coefficient}
 
 
-def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
+def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
+                    overwrite: bool = False) -> int:
     """Serve until every round is done (or Ctrl-C), write the final checkpoint and
-    summary.json, stop; returns the process exit code."""
+    summary.json, stop; returns the process exit code. A run dir holding a previous run
+    needs ``resume`` or ``overwrite`` (geoloco.run_dir; ConfigError otherwise)."""
+    claim_run_dir(run_dir, resume, overwrite)
     coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
-    coordinator.start()
+    try:
+        coordinator.start()
+    except OSError as exc:
+        log.error("%s", exc)
+        coordinator.stop()
+        return EXIT_FAILED
     previous = _sigterm_as_interrupt()
     try:
         while not coordinator.wait(timeout=1.0):

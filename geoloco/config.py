@@ -277,6 +277,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     """Check every field once; fill the method-dependent outer defaults. Returns ``cfg``."""
     _check_range("workers", cfg.workers, 1, 1024)
     _check_range("rounds", cfg.rounds, 1, 10**7)
+    _check_run_dir(cfg.run_dir)
     _check_task(cfg.task)
     _check_inner(cfg.inner)
     _check_compression(cfg.compression)
@@ -294,6 +295,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_range("guard.clip_ratio", cfg.guard.clip_ratio, 1.0, 1e6)
     _check_range("guard.reject_ratio", cfg.guard.reject_ratio, cfg.guard.clip_ratio, 1e12)
     return cfg
+
+
+def _check_run_dir(run_dir: Any) -> None:
+    """A path that names a folder: not empty or blank (that would be the current folder)
+    and without NUL bytes; whether it may be used is geoloco.run_dir's rule."""
+    if not isinstance(run_dir, str) or not run_dir.strip() or "\0" in run_dir:
+        raise ConfigError(f"run_dir: {run_dir!r} is not a folder path; give a non-empty path "
+                          "such as runs/exp1")
 
 
 def _check_task(task: TaskConfig) -> None:

@@ -26,6 +26,7 @@ from geoloco.config import RunConfig, load_config, validate
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 from geoloco.progress import RunProgress, make_progress, number, size
+from geoloco.run_dir import COORDINATOR_OUTPUTS, claim_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,8 @@ STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 LOG_TAIL_LINES = 30
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
-STALE = ("metrics.jsonl", "summary.json", PORT_FILE, METRICS_PORT_FILE)
+# what `local` writes in the run dir beside the coordinator's files (--overwrite removes it)
+LOCAL_OUTPUTS = (*COORDINATOR_OUTPUTS, "logs", "workers", CERTS_DIR, "config.json")
 
 
 class LaunchError(RuntimeError):
@@ -96,9 +98,7 @@ class RunResult:
 
     def metrics(self) -> list[dict[str, Any]]:
         """metrics.jsonl's rounds."""
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return _metrics_lines(self.run_dir)
 
 
 def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
@@ -111,12 +111,16 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
 
 
 def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
-              stall_timeout_s: float | None = None, progress: RunProgress | None = None) -> RunResult:
+              stall_timeout_s: float | None = None, progress: RunProgress | None = None,
+              resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run a whole training job locally: the coordinator and ``workers`` worker processes
     on loopback; returns the RunResult once every process has ended. ``progress`` shows
-    it (default: monitoring.progress on stdout)."""
+    it (default: monitoring.progress on stdout). A run dir holding a previous run needs
+    ``resume`` (continue it) or ``overwrite`` (replace it): geoloco.run_dir's rule, checked
+    before anything starts (ConfigError)."""
     cfg = as_config(config)
-    run = LocalRun(cfg, stall_timeout_s, progress)
+    claim_run_dir(cfg.run_dir, resume, overwrite, LOCAL_OUTPUTS)
+    run = LocalRun(cfg, stall_timeout_s, progress, resume)
     previous = _raise_on_signals()
     try:
         run.start()
@@ -151,8 +155,9 @@ class LocalRun:
     """The processes and relays of one local run and the progress read from its run dir."""
 
     def __init__(self, cfg: RunConfig, stall_timeout_s: float | None = None,
-                 progress: RunProgress | None = None) -> None:
+                 progress: RunProgress | None = None, resume: bool = False) -> None:
         self.cfg = cfg
+        self.resume = resume  # continue the run in run_dir: its checkpoints, metrics, certificates
         self.progress = progress or make_progress(cfg.monitoring.progress, cfg.rounds)
         self.run_dir = Path(cfg.run_dir)
         self.stall_timeout_s = stall_timeout_s or cfg.coordinator.deadline_s + 120.0
@@ -162,6 +167,7 @@ class LocalRun:
         self.relays: list[RelayThread] = []
         self.exits = contextlib.ExitStack()
         self.metrics_offset = 0
+        self.last_shown = -1  # the last round whose line progress showed
         self.started = time.monotonic()
         self.certs = self.run_dir / CERTS_DIR
 
@@ -215,12 +221,19 @@ class LocalRun:
         return f"each on a {links[0]} link" if len(set(links)) == 1 else "links " + ", ".join(links)
 
     def _prepare_dir(self) -> None:
-        """Clear what a previous run left in the run dir, then create its folders and the
-        run's credentials (mutual TLS on every connection, as in a deployment)."""
-        for sub in ("logs", "workers", "checkpoints", CERTS_DIR):
-            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
-        for name in STALE:
+        """Create the run dir's folders and the run's credentials (mutual TLS on every
+        connection, as in a deployment); a resumed run keeps its certificates (the
+        coordinator knows the workers by them), and only the previous processes' join
+        reports and port files go."""
+        if not self.resume:
+            shutil.rmtree(self.certs, ignore_errors=True)
+        for name in (PORT_FILE, METRICS_PORT_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
+        for stale in (self.run_dir / "workers").glob("*"):
+            if stale.is_file():
+                stale.unlink()
+        if self.resume:  # the rounds done before are not shown again
+            self.last_shown = max((m["round"] for m in _metrics_lines(self.run_dir)), default=-1)
         for sub in ("logs", "workers"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         certs.make_run_credentials(self.certs, None, self.cfg.workers)
@@ -231,6 +244,7 @@ class LocalRun:
     def _start_coordinator(self) -> int:
         args = ["coordinator", "--config", str(self.run_dir / "config.json"),
                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir),
+                "--resume" if self.resume else "--overwrite",  # run_local checked the run dir
                 "--token-file", str(self.certs / certs.TOKEN_FILE),
                 "--tls-ca", str(self.certs / certs.CA_CERT),
                 "--tls-cert", str(self.certs / certs.COORDINATOR_CERT),
@@ -272,7 +286,7 @@ class LocalRun:
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         path = self.run_dir / "logs" / f"{name}.log"
-        out = open(path, "wb")  # noqa: SIM115 - closed in stop()
+        out = open(path, "ab" if self.resume else "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # one thread per process by default
             env.setdefault(var, "1")
@@ -317,15 +331,19 @@ class LocalRun:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return False
+        if path.stat().st_size < self.metrics_offset:  # a resumed coordinator dropped redone rounds
+            self.metrics_offset = 0
         with open(path) as f:
             f.seek(self.metrics_offset)
             text = f.read()
         complete = text[: text.rfind("\n") + 1]
         self.metrics_offset += len(complete.encode())
-        for line in complete.splitlines():
-            if line.strip():
-                self.progress.round(json.loads(line))
-        return bool(complete)
+        rounds = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        for m in rounds:
+            if m["round"] > self.last_shown:
+                self.progress.round(m)
+                self.last_shown = m["round"]
+        return bool(rounds)
 
     # ------------------------------------------------------------------ stop and report
 
@@ -369,6 +387,12 @@ class LocalRun:
     def worker_reports(self) -> list[dict[str, Any]]:
         paths = sorted((self.run_dir / "workers").glob("worker-*.json"))
         return [json.loads(p.read_text()) for p in paths]
+
+
+def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def summary_table(summary: dict[str, Any], workers: list[dict[str, Any]], run_dir: Path) -> str:
