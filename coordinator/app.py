@@ -5,7 +5,6 @@ checkpoint and an exit code (docs/protocol.md)."""
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -35,6 +34,7 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.run_dir import claim_run_dir
+from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
 from geoloco.tls import server_credentials
 
@@ -47,7 +47,8 @@ CONFIG_FILE = "config.json"
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
 SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+STOP_POLL_S = 0.2  # how often the main thread looks for a stop request
+EXIT_OK, EXIT_FAILED = 0, 1
 
 
 class Coordinator:
@@ -235,39 +236,31 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
 
 def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
                     overwrite: bool = False) -> int:
-    """Serve until every round is done (or Ctrl-C), write the final checkpoint and
-    summary.json, stop; returns the process exit code. A run dir holding a previous run
-    needs ``resume`` or ``overwrite`` (geoloco.run_dir; ConfigError otherwise)."""
+    """Serve until every round is done, or until Ctrl-C or SIGTERM: then stop the round
+    loop (a round being applied is finished first), write the checkpoint of the open round
+    and summary.json, exit 130; a second signal exits at once. Returns the exit code. A run
+    dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
+    ConfigError otherwise)."""
     claim_run_dir(run_dir, resume, overwrite)
-    coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
-    try:
-        coordinator.start()
-    except OSError as exc:
-        log.error("%s", exc)
-        coordinator.stop()
-        return EXIT_FAILED
-    previous = _sigterm_as_interrupt()
-    try:
-        while not coordinator.wait(timeout=1.0):
-            pass
-    except KeyboardInterrupt:
-        log.warning("interrupted: checkpointing round %d and stopping", coordinator.open_round())
-        coordinator.stop()  # a round being applied is finished first
-        coordinator.save_checkpoint(coordinator.open_round())
-        return EXIT_INTERRUPTED
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    with StopSignals() as signals:
+        coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+        if signals.requested.is_set():
+            return EXIT_INTERRUPTED
+        try:
+            coordinator.start()
+        except OSError as exc:
+            log.error("%s", exc)
+            coordinator.stop()
+            return EXIT_FAILED
+        while not coordinator.wait(timeout=STOP_POLL_S):
+            if signals.requested.is_set():
+                return _stop_and_checkpoint(coordinator, signals.name)
     coordinator.stop()
     return EXIT_FAILED if coordinator.failed else EXIT_OK
 
 
-def _sigterm_as_interrupt():  # -> the previous handler, or None off the main thread
-    """SIGTERM (a launcher or docker stop) checkpoints and stops like Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    return signal.signal(signal.SIGTERM, interrupt)
+def _stop_and_checkpoint(coordinator: Coordinator, reason: str | None) -> int:
+    log.warning("%s: checkpointing round %d and stopping", reason, coordinator.open_round())
+    coordinator.stop()
+    coordinator.loop.save_final()
+    return EXIT_INTERRUPTED

@@ -160,6 +160,11 @@ class RoundLoop:
         """Wait for the last result to reach the workers, then the final checkpoint and
         summary.json."""
         self.state.wait_finish_delivered(self.cfg.coordinator.deadline_s)
+        self.save_final()
+
+    def save_final(self) -> None:
+        """The checkpoint at the open round and summary.json, at the end of the run or
+        when it is stopped."""
         totals = self.state.totals
         rejected, late = self.state.take_refused()  # frames refused after the last round closed
         totals.rejected_frames += rejected
@@ -170,7 +175,8 @@ class RoundLoop:
         dense = len(encode_dense(self.state.layout, self.state.params, round=0, sender=0,
                                  dtype="fp32"))
         path = self.metrics.write_summary(totals.summary(dense))
-        log.info("run finished after %d rounds: val loss %s -> %s; summary %s", totals.rounds,
+        log.info("run %s after %d rounds: val loss %s -> %s; summary %s",
+                 "finished" if totals.rounds >= self.cfg.rounds else "stopped", totals.rounds,
                  _fmt(totals.initial_val_loss), _fmt(totals.final_val_loss), path)
 
 

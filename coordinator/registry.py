@@ -61,7 +61,7 @@ class WorkerRegistry:
             record = self.authenticate(reclaim_id, reclaim_session, cert)
             record.session = reclaim_session
         else:
-            record = self._new_record()
+            record = self._record_of_certificate(cert) or self._new_record()
         record.hostname, record.device, record.live = hostname, device, True
         record.cert = record.cert or cert
         return record
@@ -86,6 +86,16 @@ class WorkerRegistry:
                 f"the session of worker {worker_id} was presented over another certificate than "
                 "the one it joined with",
             )
+        return record
+
+    def _record_of_certificate(self, cert: str | None) -> WorkerRecord | None:
+        """The slot bound to ``cert`` that nobody holds now (its worker restarted, or the
+        coordinator did), with a new session: under mutual TLS the certificate is the
+        worker's identity, as the session is."""
+        record = next((r for r in self.records.values() if cert and r.cert == cert and not r.live), None)
+        if record is not None:
+            record.session = secrets.token_hex(16)
+            record.session_hash = session_hash(record.session)
         return record
 
     def _new_record(self) -> WorkerRecord:

@@ -31,7 +31,13 @@ from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler
 from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
-from geoloco.worker.trainer import InnerStep, InnerTrainer, describe_device, resolve_device
+from geoloco.worker.trainer import (
+    InnerStep,
+    InnerTrainer,
+    TrainingStopped,
+    describe_device,
+    resolve_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +149,7 @@ class Worker:
                     finished = self.play_round()
                 except Disconnected as exc:
                     self.reconnect(str(exc))
-        except Stopped:
+        except (Stopped, TrainingStopped):
             log.info("worker %s stopped at round %d", self.session.worker_id, self.round)
             self.write_report("stopped")
             self.close()
@@ -152,10 +158,11 @@ class Worker:
         return 0
 
     def stop(self) -> None:
-        """End run() from another thread: the session closes, so a call waiting on the
-        coordinator returns, and the loop ends instead of rejoining."""
+        """End run() from another thread (or a signal handler): the session closes, so a
+        call waiting on the coordinator returns, the inner loop ends at its next step, and
+        the loop ends instead of rejoining."""
         self.stopping.set()
-        self.session.close()
+        self.session.stop()
 
     def play_round(self) -> bool:
         """One round from θ_r: train → confirm θ_r → straggle → encode → push → apply.
@@ -188,7 +195,7 @@ class Worker:
         training, start, losses = self.training, time.monotonic(), []
         partitions = training.deltas.to_train(self.task)
         for p in partitions:
-            delta, loss = training.trainer.train_partition(self.theta, p, self.round)
+            delta, loss = training.trainer.train_partition(self.theta, p, self.round, self.stopping)
             training.deltas.keep(p, delta)
             losses.append(loss)
         mean_loss = sum(losses) / len(losses) if losses else math.nan
@@ -217,7 +224,8 @@ class Worker:
         delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
         if delay > 0:
             log.info("round %d: straggler emulation sleeps %.2fs", self.round, delay)
-            time.sleep(delay)
+            if self.stopping.wait(delay):
+                raise Stopped("stop() was called")
 
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""

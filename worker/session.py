@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,7 @@ class Session:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
         self._follower: RoundsFollower | None = None
+        self.stopping = threading.Event()  # stop() was called: no call is retried
 
     def join(self, device: str) -> pb.JoinReply:
         """Join, or reclaim this session's id once it has one, retrying with exponential
@@ -91,7 +93,7 @@ class Session:
 
         self.close()
         reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s,
-                                                           security=self.security)
+                                                           sleep=self._backoff, security=self.security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.worker_id, self.secret = reply.worker_id, reply.session
         log.info("%s as worker %d at %s (open round %d, device %s, straggler profile %r)",
@@ -141,6 +143,16 @@ class Session:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return transport.caller_metadata(self.worker_id, self.secret)
+
+    def _backoff(self, seconds: float) -> None:
+        """Join's wait before a retry; Disconnected at once after stop()."""
+        if self.stopping.wait(seconds):
+            raise Disconnected("stopped while waiting to join again")
+
+    def stop(self) -> None:
+        """Close, and end any Join retry at once (a worker that is stopping)."""
+        self.stopping.set()
+        self.close()
 
     def close(self) -> None:
         self._stop_following()
