@@ -4,6 +4,7 @@ checkpoint and an exit code (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from concurrent import futures
@@ -21,7 +22,7 @@ from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
-from geoloco.coordinator.metrics import RunTotals, write_text_atomic
+from geoloco.coordinator.metrics import METRICS_FILE, MetricsWriter, RunTotals, write_text_atomic
 from geoloco.coordinator.outer import OuterOptimizer, check_aggregation, make_outer
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
@@ -44,11 +45,16 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloc
 PORT_FILE = "coordinator.port"
 METRICS_PORT_FILE = "metrics.port"
 CONFIG_FILE = "config.json"
+REGISTRY_FILE = "registry.json"  # the worker registry, rewritten at every Join
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
 SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
 STOP_POLL_S = 0.2  # how often the main thread looks for a stop request
 EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class ResumeError(RuntimeError):
+    """--resume found a run in the run dir but no checkpoint of it that can be read."""
 
 
 class Coordinator:
@@ -69,12 +75,15 @@ class Coordinator:
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer)
         registry = WorkerRegistry(cfg.workers, token)
+        for stale in checkpoint.remove_stale(self.run_dir):
+            log.info("removed %s, left by a write that was cut off", stale)
         start_round, totals = 0, RunTotals()
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
         totals.extra.update(coding_summary(self.code))
         self.state = CoordinatorState(self.layout, params, registry, totals,
-                                      RoundState(start_round, cfg.coordinator.deadline_s))
+                                      RoundState(start_round, cfg.coordinator.deadline_s),
+                                      self.run_dir / REGISTRY_FILE)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
@@ -91,6 +100,8 @@ class Coordinator:
         """Bind, serve and start the round loop; returns the bound port."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
+        if not checkpoint.list_checkpoints(self.run_dir):  # from here on a kill can resume
+            self.save_checkpoint(self.state.open_round())
         servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
         self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen
@@ -198,11 +209,19 @@ def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
              registry: WorkerRegistry) -> tuple[int, RunTotals]:
-    """Load the newest checkpoint into ``params``, ``outer`` and ``registry``; returns the
-    round to open and the run totals (round 0 and fresh totals when there is none)."""
+    """Load the newest readable checkpoint into ``params``, ``outer`` and ``registry`` (the
+    registry file, newer, wins); drop the metrics of the rounds it redoes. Returns the round
+    to open and the run totals; round 0 and fresh totals in a run dir that has no run yet.
+    ResumeError when the run dir holds a run but no checkpoint of it can be read."""
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
-        log.warning("--resume: no checkpoint in %s; starting from round 0", run_dir)
+        left = [p.name for p in (run_dir / checkpoint.CHECKPOINT_DIR, run_dir / METRICS_FILE,
+                                 run_dir / REGISTRY_FILE) if p.exists()]
+        if left:
+            raise ResumeError(f"--resume: no readable checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}, "
+                              f"but the run dir holds a run ({', '.join(left)}); nothing was "
+                              "started. Restore a checkpoint, or start over with --overwrite")
+        log.info("--resume: %s holds no run yet; starting at round 0", run_dir)
         return 0, RunTotals()
     if ckpt.layout_digest != layout.digest:
         raise ValueError(
@@ -214,7 +233,11 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
             p.copy_(ckpt.params[spec.name])
     outer.load_state_dict(ckpt.outer_state)
     registry.load_dict(ckpt.workers)
-    log.info("resumed from checkpoint at round %d (digest %s)", ckpt.round, param_digest(params))
+    if (run_dir / REGISTRY_FILE).exists():
+        registry.load_dict(json.loads((run_dir / REGISTRY_FILE).read_text()))
+    dropped = MetricsWriter(run_dir).drop_rounds_from(ckpt.round)
+    log.info("resumed from checkpoint at round %d (digest %s)%s", ckpt.round, param_digest(params),
+             f"; {dropped} metrics lines of the rounds redone dropped" if dropped else "")
     return ckpt.round, RunTotals(**ckpt.totals)
 
 
@@ -243,7 +266,11 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
     ConfigError otherwise)."""
     claim_run_dir(run_dir, resume, overwrite)
     with StopSignals() as signals:
-        coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+        try:
+            coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+        except ResumeError as exc:
+            log.error("%s", exc)
+            return EXIT_FAILED
         if signals.requested.is_set():
             return EXIT_INTERRUPTED
         try:

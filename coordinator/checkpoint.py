@@ -26,6 +26,9 @@ KEEP_CHECKPOINTS = 3  # older checkpoints are deleted once a newer one is on dis
 WEIGHTS_FILE = "model.safetensors"  # the name transformers' from_pretrained looks for
 STATE_FILE = "state.pt"  # the sidecar, written last: a folder without it is not a checkpoint
 _NAME = re.compile(r"^round_(\d{8})(\.pt)?$")
+# what a killed write leaves: a checkpoint's temporary or set-aside folder, a .NAME.tmpPID file
+_STALE_CHECKPOINT = re.compile(r"^round_\d{8}\.(tmp|old)\d+$")
+_STALE_FILE = re.compile(r"^\..+\.tmp\d+$")
 
 
 @dataclass
@@ -171,6 +174,20 @@ def _latest(run_dir: Path) -> tuple[Path, Checkpoint] | None:
         except Exception as exc:  # noqa: BLE001 - any damage means: try the older one
             log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
     return None
+
+
+def remove_stale(run_dir: Path) -> list[Path]:
+    """Remove what writes killed before their rename left in ``run_dir`` and its
+    checkpoints folder; returns the paths removed."""
+    run_dir = Path(run_dir)
+    found = [p for p in (run_dir / CHECKPOINT_DIR).glob("round_*") if _STALE_CHECKPOINT.match(p.name)]
+    found += [p for p in run_dir.glob(".*") if _STALE_FILE.match(p.name)]
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def _prune(folder: Path) -> None:

@@ -209,20 +209,48 @@ class MetricsWriter:
         with open(self.run_dir / METRICS_FILE, "a") as f:
             f.write(m.to_json() + "\n")
 
+    def drop_rounds_from(self, round: int) -> int:
+        """Remove the lines of ``round`` and later (a resumed run redoes those rounds) and
+        a partial last line; returns how many lines went."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return 0
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if _round_of(line) is not None and _round_of(line) < round]
+        if len(kept) < len(lines):
+            write_text_atomic(path, "".join(line + "\n" for line in kept), durable=True)
+        return len(lines) - len(kept)
+
     def write_summary(self, summary: dict[str, Any]) -> Path:
         return write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
 
-def write_json_atomic(path: Path, data: Any) -> Path:
+def write_json_atomic(path: Path, data: Any, durable: bool = False) -> Path:
     """Write JSON to ``path`` through a temp file and a rename."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable)
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
+def write_text_atomic(path: Path, text: str, durable: bool = False) -> Path:
+    """Write through ``.NAME.tmpPID`` and a rename; ``durable``: fsynced before the rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def _round_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["round"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _finite(value: Any) -> Any:

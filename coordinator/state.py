@@ -11,13 +11,14 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, encode_dense
-from geoloco.coordinator.metrics import RunTotals
+from geoloco.coordinator.metrics import RunTotals, write_json_atomic
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
@@ -65,8 +66,9 @@ class CoordinatorState:
     """
 
     def __init__(self, layout: Layout, params: list[Tensor], registry: WorkerRegistry,
-                 totals: RunTotals, rs: RoundState) -> None:
+                 totals: RunTotals, rs: RoundState, registry_file: Path | None = None) -> None:
         self.layout = layout
+        self.registry_file = registry_file  # the registry, rewritten at every Join
         self.params = params
         self.registry = registry
         self.totals = totals
@@ -87,8 +89,16 @@ class CoordinatorState:
         """Register (or reclaim) a worker; returns its record and the current round."""
         with self.lock:
             record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert)
+            self.save_registry()
             self.lock.notify_all()
             return record, self.rs.round
+
+    def save_registry(self) -> None:
+        """The registry to ``registry_file``, durably (a coordinator killed right after a
+        Join still knows the worker when it resumes); lock held."""
+        if self.registry_file is not None:
+            write_json_atomic(self.registry_file, {str(i): d for i, d in self.registry.to_dict().items()},
+                              durable=True)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         with self.lock:
