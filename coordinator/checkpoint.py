@@ -86,11 +86,28 @@ def checkpoint_path(run_dir: Path, round: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"round_{round:08d}"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions); nothing of it is left."""
+
+
 def save(run_dir: Path, ckpt: Checkpoint) -> Path:
     """Write ``ckpt`` atomically (a temporary folder, each file fsynced, the sidecar last,
-    then renamed into place) and prune old checkpoints; returns its folder."""
+    then renamed into place) and prune old checkpoints; returns its folder. When a write
+    fails the temporary folder is removed and CheckpointWriteError says why."""
     path = checkpoint_path(run_dir, ckpt.round)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        _write_folder(tmp, ckpt)
+        _replace_folder(tmp, path)
+    except Exception as exc:  # noqa: BLE001 - torch and safetensors wrap the OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"checkpoint of round {ckpt.round} not written to {path}: "
+                                   f"{_reason(exc)}") from None
+    _prune(path.parent)
+    return path
+
+
+def _write_folder(tmp: Path, ckpt: Checkpoint) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
@@ -101,9 +118,18 @@ def save(run_dir: Path, ckpt: Checkpoint) -> Path:
     state = io.BytesIO()
     torch.save(ckpt.to_dict(), state)
     _write(tmp / STATE_FILE, state.getvalue())
-    _replace_folder(tmp, path)
-    _prune(path.parent)
-    return path
+
+
+def _reason(exc: BaseException) -> str:
+    """The OSError at the root of ``exc`` as "No space left on device (errno 28)", else
+    the first line of ``exc``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror} (errno {seen.errno})"
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _write(path: Path, data: bytes) -> None:

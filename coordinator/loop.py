@@ -125,7 +125,10 @@ class RoundLoop:
         m = round_metrics(rs, closed, timing, val, lr)
         m.median_frame_norm = median_norm
         self.state.totals.add(m, max(self.state.live_count(), 1))
-        self.metrics.write_round(m)
+        try:
+            self.metrics.write_round(m)
+        except OSError as exc:
+            log.error("round %d: its metrics line was not written (%s)", m.round, exc.strerror or exc)
         for observer in self.observers:
             observer.write_round(m)
         up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
@@ -140,7 +143,16 @@ class RoundLoop:
     def checkpoint_if_due(self, next_round: int) -> None:
         every = self.cfg.coordinator.checkpoint_every
         if every and next_round % every == 0 and next_round < self.cfg.rounds:
-            self.save_checkpoint(next_round)
+            self.try_checkpoint(next_round)
+
+    def try_checkpoint(self, next_round: int) -> Path | None:
+        """save_checkpoint, or (disk full and the like) one error line and None: training
+        goes on and the next checkpoint tries again."""
+        try:
+            return self.save_checkpoint(next_round)
+        except checkpoint.CheckpointWriteError as exc:
+            log.error("%s; training goes on, the next checkpoint tries again", exc)
+            return None
 
     def save_checkpoint(self, next_round: int) -> Path:
         """Write the parameters at the start of ``next_round`` with everything else."""
@@ -171,7 +183,7 @@ class RoundLoop:
         totals.late_frames += late
         totals.wall_seconds += time.monotonic() - self._started_at
         self._started_at = time.monotonic()
-        self.save_checkpoint(self.state.open_round())
+        self.try_checkpoint(self.state.open_round())
         dense = len(encode_dense(self.state.layout, self.state.params, round=0, sender=0,
                                  dtype="fp32"))
         path = self.metrics.write_summary(totals.summary(dense))

@@ -206,8 +206,17 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def write_round(self, m: RoundMetrics) -> None:
-        with open(self.run_dir / METRICS_FILE, "a") as f:
-            f.write(m.to_json() + "\n")
+        """Append the round's line; a failed write (disk full) leaves no partial line."""
+        line = (m.to_json() + "\n").encode()
+        with open(self.run_dir / METRICS_FILE, "ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):
+                    written += f.write(line[written:])
+            except OSError:
+                f.truncate(end)
+                raise
 
     def drop_rounds_from(self, round: int) -> int:
         """Remove the lines of ``round`` and later (a resumed run redoes those rounds) and

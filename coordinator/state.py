@@ -96,9 +96,14 @@ class CoordinatorState:
     def save_registry(self) -> None:
         """The registry to ``registry_file``, durably (a coordinator killed right after a
         Join still knows the worker when it resumes); lock held."""
-        if self.registry_file is not None:
+        if self.registry_file is None:
+            return
+        try:
             write_json_atomic(self.registry_file, {str(i): d for i, d in self.registry.to_dict().items()},
                               durable=True)
+        except OSError as exc:
+            log.error("worker registry not saved to %s (%s); the next Join tries again",
+                      self.registry_file, exc.strerror or exc)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         with self.lock:
