@@ -83,7 +83,7 @@ class Coordinator:
         totals.extra.update(coding_summary(self.code))
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s),
-                                      self.run_dir / REGISTRY_FILE)
+                                      self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)

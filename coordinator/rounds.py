@@ -47,7 +47,7 @@ class Decision:
     reason: str  # one of CLOSE_REASONS
 
 
-CLOSE_REASONS = ("all arrived", "decodable", "deadline")
+CLOSE_REASONS = ("all arrived", "decodable", "deadline", "live arrived")
 
 
 class ClosePolicy(Protocol):
@@ -163,13 +163,19 @@ class RoundState:
             decision = Decision(coefficients, decision.covered, decision.reason)
         self.decision = decision
 
-    def try_close(self, policy: ClosePolicy) -> Decision | None:
-        """Ask the policy; on a decision the round is closed and keeps it."""
+    def try_close(self, policy: ClosePolicy, others_dead: bool = False) -> Decision | None:
+        """Ask the policy; on a decision the round is closed and keeps it. ``others_dead``:
+        every worker not in is dead, so an arrived set the policy would wait on closes as
+        at the deadline ("live arrived")."""
         if self.closed:
             return self.decision
         if self.opened_at is None:
             return None
-        decision = policy.decide(sorted(self.arrivals), self.seconds_left() <= 0)
+        deadline_passed = self.seconds_left() <= 0
+        give_up = others_dead and bool(self.arrivals) and not deadline_passed
+        decision = policy.decide(sorted(self.arrivals), deadline_passed or give_up)
+        if decision is not None and give_up and decision.reason == "deadline":
+            decision = Decision(decision.coefficients, decision.covered, "live arrived")
         self.decision = decision
         return decision
 

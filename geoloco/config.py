@@ -146,6 +146,10 @@ class CoordinatorConfig:
     deadline_s: float = 300.0  # a round closes at this deadline whatever has arrived
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
+    # a worker without a Rounds stream this long is dead (a new one counts from its Join, so
+    # this must cover a worker's start-up): rounds stop waiting for it, and a new worker
+    # with the token may take its slot (id, partitions); it is back if it follows again
+    liveness_s: float = 60.0
     # rounds between validation losses, always measured after the broadcast; 0: only the
     # last round; None: every round for models under 20M parameters, else at checkpoints
     val_every: int | None = None
@@ -430,6 +434,7 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_range("coordinator.deadline_s", co.deadline_s, 0.1, 1e6)
     _check_range("coordinator.join_timeout_s", co.join_timeout_s, 0.1, 1e6)
     _check_range("coordinator.checkpoint_every", co.checkpoint_every, 0, 10**7)
+    _check_range("coordinator.liveness_s", co.liveness_s, 0.5, 1e6)
     if co.val_every is not None:
         _check_range("coordinator.val_every", co.val_every, 0, 10**7)
     if co.token is not None and not co.token.strip():
