@@ -60,6 +60,9 @@ class RoundMetrics:
     rejected_by_worker: dict[int, int] = field(default_factory=dict)
     clipped_by_worker: dict[int, int] = field(default_factory=dict)
     median_frame_norm: float | None = None
+    # what each arrived worker process reported of its replica checks so far
+    digest_mismatches_by_worker: dict[int, int] = field(default_factory=dict)
+    resyncs_by_worker: dict[int, int] = field(default_factory=dict)
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -72,7 +75,7 @@ class RoundMetrics:
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
         for name in ("partitions_trained", "decode_seconds_by_worker", "compute_seconds_by_worker",
                      "send_seconds_by_worker", "wait_seconds_by_worker", "rejected_by_worker",
-                     "clipped_by_worker"):
+                     "clipped_by_worker", "digest_mismatches_by_worker", "resyncs_by_worker"):
             data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
@@ -128,6 +131,8 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         max_coefficient=max((abs(a) for a in rs.decision.coefficients.values()), default=None),
         lr=lr, time=timing.wall_time, elapsed_seconds=timing.elapsed_seconds,
         rejected_by_worker=dict(rs.rejected_by), clipped_by_worker=dict(rs.clipped_by),
+        digest_mismatches_by_worker={a.worker: a.digest_mismatches for a in arrivals},
+        resyncs_by_worker={a.worker: a.resyncs for a in arrivals},
     )
 
 
@@ -154,6 +159,9 @@ class RunTotals:
     wall_seconds: float = 0.0
     rejected_by_worker: dict[int, int] = field(default_factory=dict)
     clipped_by_worker: dict[int, int] = field(default_factory=dict)
+    # the largest counts each worker id reported with its pushes
+    digest_mismatches_by_worker: dict[int, int] = field(default_factory=dict)
+    resyncs_by_worker: dict[int, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add(self, m: RoundMetrics, n_receivers: int) -> None:
@@ -172,6 +180,10 @@ class RunTotals:
                              (self.clipped_by_worker, m.clipped_by_worker)):
             for worker, count in theirs.items():
                 mine[worker] = mine.get(worker, 0) + count
+        for mine, theirs in ((self.digest_mismatches_by_worker, m.digest_mismatches_by_worker),
+                             (self.resyncs_by_worker, m.resyncs_by_worker)):
+            for worker, count in theirs.items():
+                mine[worker] = max(mine.get(worker, 0), count)
 
     def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
         up = self.upload_bytes / self.uploads if self.uploads else None
@@ -184,8 +196,9 @@ class RunTotals:
             "download_bytes_per_worker_round": down,
             "dense_fp32_bytes": dense_fp32_bytes,
             "upload_ratio_vs_dense_fp32": up / dense_fp32_bytes if up and dense_fp32_bytes else None,
-            # Workers do not report digest checks on the wire; the launcher may fill this in.
-            "digest_mismatches": 0,
+            # as the workers reported them with their pushes (`local` recounts from their reports)
+            "digest_mismatches": sum(self.digest_mismatches_by_worker.values()),
+            "worker_resyncs": sum(self.resyncs_by_worker.values()),
             "resync_state_fetches": self.extra_state_fetches,
             "rejected_frames": self.rejected_frames,
             "late_frames": self.late_frames,

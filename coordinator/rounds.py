@@ -32,6 +32,8 @@ class Arrival:
     received_at: float = field(default_factory=time.monotonic)
     norm: float = 0.0  # L2 norm of the frame's values (geoloco.coordinator.bounds)
     max_abs: float = 0.0  # its largest absolute value
+    digest_mismatches: int = 0  # the worker process's counts so far, as it reported them
+    resyncs: int = 0
 
 
 @dataclass(frozen=True)

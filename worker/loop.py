@@ -236,7 +236,7 @@ class Worker:
         log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes (encoded in %.2fs)",
                  self.round, trained.partitions, trained.compute_s, trained.loss, len(frame), encode_s)
         return Push(self.round, frame, trained.compute_s, trained.loss, trained.partitions, encode_s,
-                    self.apply_s)
+                    self.apply_s, self.counters.digest_mismatches, self.counters.resyncs)
 
     def push(self, push: Push) -> None:
         reply = self.session.push(push)

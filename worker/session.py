@@ -36,6 +36,8 @@ class Push:
     partitions: list[int] = field(default_factory=list)  # trained fresh this round
     encode_s: float = 0.0
     apply_s: float = 0.0  # applying the previous round result, before this round's compute
+    digest_mismatches: int = 0  # this process's counts so far, for the coordinator's summary
+    resyncs: int = 0
 
 
 @dataclass
@@ -120,7 +122,8 @@ class Session:
         header = pb.PushHeader(worker_id=self.worker_id, session=self.secret, round=push.round,
                                total_bytes=len(push.frame), compute_seconds=push.compute_s,
                                train_loss=push.train_loss, partitions=push.partitions,
-                               encode_seconds=push.encode_s, apply_seconds=push.apply_s)
+                               encode_seconds=push.encode_s, apply_seconds=push.apply_s,
+                               digest_mismatches=push.digest_mismatches, resyncs=push.resyncs)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(push.frame)]
         try:
             return self._connected().Push(iter(chunks), metadata=self._metadata())
