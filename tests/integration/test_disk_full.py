@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from run_processes import SMALL, Processes, metrics, set_flags, wait_until
+from run_processes import SMALL, Processes, coordinator_port, metrics, set_flags, wait_until
 
 from geoloco.coordinator import checkpoint
 
@@ -32,15 +32,6 @@ def small_disk(tmp_path: Path):
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def error_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if " ERROR " in line]
 
@@ -51,10 +42,9 @@ def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes
     processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
                                     "--rounds", str(ROUNDS), "--run-dir", str(run_dir),
                                     *set_flags({**SMALL, "coordinator.checkpoint_every": "1"})])
-    port_file = run_dir / "coordinator.port"
-    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 90, "the port")
+    port = coordinator_port(run_dir)
     for i in range(2):
-        processes.start(f"worker-{i}", ["worker", "--coordinator", f"127.0.0.1:{port_file.read_text().strip()}",
+        processes.start(f"worker-{i}", ["worker", "--coordinator", f"127.0.0.1:{port}",
                                         "--device", "cpu", "--report-dir", str(tmp_path / "reports")])
     wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
     filler = small_disk / "filler"

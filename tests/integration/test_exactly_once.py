@@ -26,15 +26,6 @@ pytestmark = pytest.mark.slow
 WORKERS = 2
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def coordinator_args(run_dir: Path, listen: str, rounds: int, *extra: str) -> list[str]:
     return ["coordinator", "--listen", listen, "--workers", str(WORKERS), "--rounds", str(rounds),
             "--run-dir", str(run_dir), *extra,

@@ -13,6 +13,7 @@ import pytest
 from run_processes import (
     SMALL,
     Processes,
+    coordinator_port,
     final_coordinator_digest,
     metrics,
     set_flags,
@@ -24,15 +25,6 @@ pytestmark = pytest.mark.slow
 WORKERS, ROUNDS = 3, 24
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def test_a_dead_worker_is_not_waited_for_and_a_new_worker_takes_its_slot(processes: Processes,
                                                                          tmp_path: Path) -> None:
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
@@ -41,9 +33,7 @@ def test_a_dead_worker_is_not_waited_for_and_a_new_worker_takes_its_slot(process
                                     *set_flags({**SMALL, "coordinator.deadline_s": "300",
                                                 "coordinator.liveness_s": "10",
                                                 "coordinator.checkpoint_every": "0"})])
-    port_file = run_dir / "coordinator.port"
-    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 90, "the port")
-    address = f"127.0.0.1:{port_file.read_text().strip()}"
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
 
     def start_worker(name: str) -> None:
         processes.start(name, ["worker", "--coordinator", address, "--device", "cpu",

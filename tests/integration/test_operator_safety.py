@@ -12,15 +12,6 @@ from run_processes import SMALL, Processes, free_port, set_flags, wait_until
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def coordinator_args(run_dir: Path, listen: str) -> list[str]:
     return ["coordinator", "--listen", listen, "--workers", "2", "--rounds", "2",
             "--run-dir", str(run_dir), *set_flags(SMALL)]

@@ -27,15 +27,6 @@ pytestmark = pytest.mark.slow
 ROUNDS = 6
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "test-logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def local_args(run_dir: Path, *extra: str) -> list[str]:
     return ["local", "--workers", "2", "--rounds", str(ROUNDS), "--wan", "unlimited",
             "--run-dir", str(run_dir), "--stall-timeout", "60", "--progress", "lines", *extra,
