@@ -198,6 +198,9 @@ def _add_worker(sub: Any) -> None:
                    help="relay through an in-process link emulator with this profile (for hosts without netem)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="keep this worker's own state (error feedback, inner AdamW state, data "
+                   "positions) in DIR every worker.state_every rounds; a restart resumes it")
     p.add_argument("--identity-file", metavar="FILE",
                    help="reclaim the worker id and session in this JSON file (written by the "
                    "container entrypoint's join-and-apply step)")
@@ -316,7 +319,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
         identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
-        metrics=_worker_metrics(cfg),
+        metrics=_worker_metrics(cfg), state_dir=args.state_dir, state_every=cfg.worker.state_every,
     )
 
 

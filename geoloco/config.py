@@ -163,6 +163,10 @@ class WorkerConfig:
     # the inner loop's autocast: bf16 | fp32 | auto (bf16 on a GPU that has it, else fp32);
     # master weights, error feedback and pseudo-gradients stay fp32 whatever it is
     precision: str = "auto"
+    # with `geoloco worker --state-dir DIR`: save the worker's own state (error feedback,
+    # inner AdamW, data positions) there every this many rounds; 0: never; None: every
+    # round while a save costs under 5 % of a round (measured), else as often as keeps it so
+    state_every: int | None = None
 
 
 @dataclass
@@ -293,6 +297,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_choice("worker.device", cfg.worker.device, DEVICES)
     _check_choice("worker.precision", cfg.worker.precision, PRECISIONS)
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
+    if cfg.worker.state_every is not None:
+        _check_range("worker.state_every", cfg.worker.state_every, 0, 10**7)
     _check_address("worker.coordinator", cfg.worker.coordinator)
     _check_monitoring(cfg.monitoring)
     _check_tls(cfg.tls)

@@ -42,12 +42,15 @@ def run_worker(
     tls: TlsConfig | None = None,
     precision: str = "auto",
     metrics: tuple[str, int] | None = None,
+    state_dir: str | Path | None = None,
+    state_every: int | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
     ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
     ``identity_file`` makes the first Join reclaim the id and session written there;
-    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there;
+    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there; ``state_dir``
+    keeps the worker's own state every ``state_every`` rounds (geoloco.worker.local_state);
     ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
     allowed there)."""
     torch.set_num_threads(threads)
@@ -61,7 +64,9 @@ def run_worker(
                 session = Session(address, token, connect_timeout_s, identity,
                                   _through_relay(security, coordinator, address))
                 worker = Worker(session, device, Path(report_dir) if report_dir else None,
-                                precision=precision)
+                                precision=precision,
+                                state_dir=Path(state_dir) if state_dir else None,
+                                state_every=state_every)
                 signals.on_stop = worker.stop
                 if signals.requested.is_set():
                     return EXIT_INTERRUPTED
