@@ -101,8 +101,11 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
     arrivals = list(rs.arrivals.values())
     computes = [a.compute_seconds for a in arrivals]
     encodes = [a.encode_seconds for a in arrivals]
-    work = {a.worker: a.apply_seconds + a.compute_seconds + a.encode_seconds for a in arrivals}
     arrived_after = {a.worker: max(0.0, a.received_at - opened) for a in arrivals}
+    # a worker that had the state before the round opened (round 0: the first to fetch it)
+    # started its work early; only the part inside the round counts
+    work = {a.worker: min(a.apply_seconds + a.compute_seconds + a.encode_seconds, arrived_after[a.worker])
+            for a in arrivals}
     losses = [a.train_loss for a in arrivals if a.train_loss == a.train_loss]
     chosen = [a for a, _ in rs.chosen()]
     return RoundMetrics(
