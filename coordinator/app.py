@@ -4,8 +4,8 @@ checkpoint and an exit code (docs/protocol.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
-import signal
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -22,7 +22,7 @@ from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
-from geoloco.coordinator.metrics import RunTotals, write_text_atomic
+from geoloco.coordinator.metrics import METRICS_FILE, MetricsWriter, RunTotals, write_text_atomic
 from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
@@ -34,6 +34,8 @@ from geoloco.metrics_server import MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
+from geoloco.run_dir import claim_run_dir
+from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
 from geoloco.tls import server_credentials
 
@@ -43,10 +45,16 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloc
 PORT_FILE = "coordinator.port"
 METRICS_PORT_FILE = "metrics.port"
 CONFIG_FILE = "config.json"
+REGISTRY_FILE = "registry.json"  # the worker registry, rewritten at every Join
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
 SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+STOP_POLL_S = 0.2  # how often the main thread looks for a stop request
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+class ResumeError(RuntimeError):
+    """--resume found a run in the run dir but no checkpoint of it that can be read."""
 
 
 class Coordinator:
@@ -66,6 +74,8 @@ class Coordinator:
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
         registry = WorkerRegistry(cfg.workers, token)
+        for stale in checkpoint.remove_stale(self.run_dir):
+            log.info("removed %s, left by a write that was cut off", stale)
         start_round, totals = 0, RunTotals()
         if resume:
             start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
@@ -75,7 +85,8 @@ class Coordinator:
             log.info(note)
         totals.extra["aggregation"] = cfg.outer.aggregation if note is None else "sum (weighted)"
         self.state = CoordinatorState(self.layout, params, registry, totals,
-                                      RoundState(start_round, cfg.coordinator.deadline_s))
+                                      RoundState(start_round, cfg.coordinator.deadline_s),
+                                      self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
@@ -92,6 +103,8 @@ class Coordinator:
         """Bind, serve and start the round loop; returns the bound port."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
+        if not checkpoint.list_checkpoints(self.run_dir):  # from here on a kill can resume
+            self.loop.try_checkpoint(self.state.open_round())
         servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
         self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen
@@ -199,11 +212,19 @@ def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
              registry: WorkerRegistry) -> tuple[int, RunTotals]:
-    """Load the newest checkpoint into ``params``, ``outer`` and ``registry``; returns the
-    round to open and the run totals (round 0 and fresh totals when there is none)."""
+    """Load the newest readable checkpoint into ``params``, ``outer`` and ``registry`` (the
+    registry file, newer, wins); drop the metrics of the rounds it redoes. Returns the round
+    to open and the run totals; round 0 and fresh totals in a run dir that has no run yet.
+    ResumeError when the run dir holds a run but no checkpoint of it can be read."""
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
-        log.warning("--resume: no checkpoint in %s; starting from round 0", run_dir)
+        left = [p.name for p in (run_dir / checkpoint.CHECKPOINT_DIR, run_dir / METRICS_FILE,
+                                 run_dir / REGISTRY_FILE) if p.exists()]
+        if left:
+            raise ResumeError(f"--resume: no readable checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}, "
+                              f"but the run dir holds a run ({', '.join(left)}); nothing was "
+                              "started. Restore a checkpoint, or start over with --overwrite")
+        log.info("--resume: %s holds no run yet; starting at round 0", run_dir)
         return 0, RunTotals()
     if ckpt.layout_digest != layout.digest:
         raise ValueError(
@@ -215,7 +236,11 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
             p.copy_(ckpt.params[spec.name])
     outer.load_state_dict(ckpt.outer_state)
     registry.load_dict(ckpt.workers)
-    log.info("resumed from checkpoint at round %d (digest %s)", ckpt.round, param_digest(params))
+    if (run_dir / REGISTRY_FILE).exists():
+        registry.load_dict(json.loads((run_dir / REGISTRY_FILE).read_text()))
+    dropped = MetricsWriter(run_dir).drop_rounds_from(ckpt.round)
+    log.info("resumed from checkpoint at round %d (digest %s)%s", ckpt.round, param_digest(params),
+             f"; {dropped} metrics lines of the rounds redone dropped" if dropped else "")
     return ckpt.round, RunTotals(**ckpt.totals)
 
 
@@ -235,33 +260,37 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
             "worst_case_coefficient": code.worst_case_coefficient}
 
 
-def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False) -> int:
-    """Serve until every round is done (or Ctrl-C), write the final checkpoint and
-    summary.json, stop; returns the process exit code."""
-    coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
-    coordinator.start()
-    previous = _sigterm_as_interrupt()
-    try:
-        while not coordinator.wait(timeout=1.0):
-            pass
-    except KeyboardInterrupt:
-        log.warning("interrupted: checkpointing round %d and stopping", coordinator.open_round())
-        coordinator.stop()  # a round being applied is finished first
-        coordinator.save_checkpoint(coordinator.open_round())
-        return EXIT_INTERRUPTED
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
+                    overwrite: bool = False) -> int:
+    """Serve until every round is done, or until Ctrl-C or SIGTERM: then stop the round
+    loop (a round being applied is finished first), write the checkpoint of the open round
+    and summary.json, exit 130; a second signal exits at once. Returns the exit code. A run
+    dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
+    ConfigError otherwise)."""
+    claim_run_dir(run_dir, resume, overwrite)
+    with StopSignals() as signals:
+        try:
+            coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+        except ResumeError as exc:
+            log.error("%s", exc)
+            return EXIT_FAILED
+        if signals.requested.is_set():
+            return EXIT_INTERRUPTED
+        try:
+            coordinator.start()
+        except OSError as exc:
+            log.error("%s", exc)
+            coordinator.stop()
+            return EXIT_FAILED
+        while not coordinator.wait(timeout=STOP_POLL_S):
+            if signals.requested.is_set():
+                return _stop_and_checkpoint(coordinator, signals.name)
     coordinator.stop()
     return EXIT_FAILED if coordinator.failed else EXIT_OK
 
 
-def _sigterm_as_interrupt():  # -> the previous handler, or None off the main thread
-    """SIGTERM (a launcher or docker stop) checkpoints and stops like Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    return signal.signal(signal.SIGTERM, interrupt)
+def _stop_and_checkpoint(coordinator: Coordinator, reason: str | None) -> int:
+    log.warning("%s: checkpointing round %d and stopping", reason, coordinator.open_round())
+    coordinator.stop()
+    coordinator.loop.save_final()
+    return EXIT_INTERRUPTED

@@ -26,6 +26,9 @@ KEEP_CHECKPOINTS = 3  # older checkpoints are deleted once a newer one is on dis
 WEIGHTS_FILE = "model.safetensors"  # the name transformers' from_pretrained looks for
 STATE_FILE = "state.pt"  # the sidecar, written last: a folder without it is not a checkpoint
 _NAME = re.compile(r"^round_(\d{8})(\.pt)?$")
+# what a killed write leaves: a checkpoint's temporary or set-aside folder, a .NAME.tmpPID file
+_STALE_CHECKPOINT = re.compile(r"^round_\d{8}\.(tmp|old)\d+$")
+_STALE_FILE = re.compile(r"^\..+\.tmp\d+$")
 
 
 @dataclass
@@ -83,11 +86,28 @@ def checkpoint_path(run_dir: Path, round: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"round_{round:08d}"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions); nothing of it is left."""
+
+
 def save(run_dir: Path, ckpt: Checkpoint) -> Path:
     """Write ``ckpt`` atomically (a temporary folder, each file fsynced, the sidecar last,
-    then renamed into place) and prune old checkpoints; returns its folder."""
+    then renamed into place) and prune old checkpoints; returns its folder. When a write
+    fails the temporary folder is removed and CheckpointWriteError says why."""
     path = checkpoint_path(run_dir, ckpt.round)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        _write_folder(tmp, ckpt)
+        _replace_folder(tmp, path)
+    except Exception as exc:  # noqa: BLE001 - torch and safetensors wrap the OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"checkpoint of round {ckpt.round} not written to {path}: "
+                                   f"{_reason(exc)}") from None
+    _prune(path.parent)
+    return path
+
+
+def _write_folder(tmp: Path, ckpt: Checkpoint) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
@@ -98,9 +118,18 @@ def save(run_dir: Path, ckpt: Checkpoint) -> Path:
     state = io.BytesIO()
     torch.save(ckpt.to_dict(), state)
     _write(tmp / STATE_FILE, state.getvalue())
-    _replace_folder(tmp, path)
-    _prune(path.parent)
-    return path
+
+
+def _reason(exc: BaseException) -> str:
+    """The OSError at the root of ``exc`` as "No space left on device (errno 28)", else
+    the first line of ``exc``."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror} (errno {seen.errno})"
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -171,6 +200,20 @@ def _latest(run_dir: Path) -> tuple[Path, Checkpoint] | None:
         except Exception as exc:  # noqa: BLE001 - any damage means: try the older one
             log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
     return None
+
+
+def remove_stale(run_dir: Path) -> list[Path]:
+    """Remove what writes killed before their rename left in ``run_dir`` and its
+    checkpoints folder; returns the paths removed."""
+    run_dir = Path(run_dir)
+    found = [p for p in (run_dir / CHECKPOINT_DIR).glob("round_*") if _STALE_CHECKPOINT.match(p.name)]
+    found += [p for p in run_dir.glob(".*") if _STALE_FILE.match(p.name)]
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def _prune(folder: Path) -> None:

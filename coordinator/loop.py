@@ -128,7 +128,10 @@ class RoundLoop:
         m = round_metrics(rs, closed, timing, val, lr)
         m.median_frame_norm = median_norm
         self.state.totals.add(m, max(self.state.live_count(), 1))
-        self.metrics.write_round(m)
+        try:
+            self.metrics.write_round(m)
+        except OSError as exc:
+            log.error("round %d: its metrics line was not written (%s)", m.round, exc.strerror or exc)
         for observer in self.observers:
             observer.write_round(m)
         up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
@@ -143,7 +146,16 @@ class RoundLoop:
     def checkpoint_if_due(self, next_round: int) -> None:
         every = self.cfg.coordinator.checkpoint_every
         if every and next_round % every == 0 and next_round < self.cfg.rounds:
-            self.save_checkpoint(next_round)
+            self.try_checkpoint(next_round)
+
+    def try_checkpoint(self, next_round: int) -> Path | None:
+        """save_checkpoint, or (disk full and the like) one error line and None: training
+        goes on and the next checkpoint tries again."""
+        try:
+            return self.save_checkpoint(next_round)
+        except checkpoint.CheckpointWriteError as exc:
+            log.error("%s; training goes on, the next checkpoint tries again", exc)
+            return None
 
     def save_checkpoint(self, next_round: int) -> Path:
         """Write the parameters at the start of ``next_round`` with everything else."""
@@ -163,17 +175,23 @@ class RoundLoop:
         """Wait for the last result to reach the workers, then the final checkpoint and
         summary.json."""
         self.state.wait_finish_delivered(self.cfg.coordinator.deadline_s)
+        self.save_final()
+
+    def save_final(self) -> None:
+        """The checkpoint at the open round and summary.json, at the end of the run or
+        when it is stopped."""
         totals = self.state.totals
         rejected, late = self.state.take_refused()  # frames refused after the last round closed
         totals.rejected_frames += rejected
         totals.late_frames += late
         totals.wall_seconds += time.monotonic() - self._started_at
         self._started_at = time.monotonic()
-        self.save_checkpoint(self.state.open_round())
+        self.try_checkpoint(self.state.open_round())
         dense = len(encode_dense(self.state.layout, self.state.params, round=0, sender=0,
                                  dtype="fp32"))
         path = self.metrics.write_summary(totals.summary(dense))
-        log.info("run finished after %d rounds: val loss %s -> %s; summary %s", totals.rounds,
+        log.info("run %s after %d rounds: val loss %s -> %s; summary %s",
+                 "finished" if totals.rounds >= self.cfg.rounds else "stopped", totals.rounds,
                  _fmt(totals.initial_val_loss), _fmt(totals.final_val_loss), path)
 
 

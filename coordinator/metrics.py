@@ -60,6 +60,9 @@ class RoundMetrics:
     rejected_by_worker: dict[int, int] = field(default_factory=dict)
     clipped_by_worker: dict[int, int] = field(default_factory=dict)
     median_frame_norm: float | None = None
+    # what each arrived worker process reported of its replica checks so far
+    digest_mismatches_by_worker: dict[int, int] = field(default_factory=dict)
+    resyncs_by_worker: dict[int, int] = field(default_factory=dict)
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -72,7 +75,7 @@ class RoundMetrics:
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
         for name in ("partitions_trained", "decode_seconds_by_worker", "compute_seconds_by_worker",
                      "send_seconds_by_worker", "wait_seconds_by_worker", "rejected_by_worker",
-                     "clipped_by_worker"):
+                     "clipped_by_worker", "digest_mismatches_by_worker", "resyncs_by_worker"):
             data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
@@ -98,8 +101,11 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
     arrivals = list(rs.arrivals.values())
     computes = [a.compute_seconds for a in arrivals]
     encodes = [a.encode_seconds for a in arrivals]
-    work = {a.worker: a.apply_seconds + a.compute_seconds + a.encode_seconds for a in arrivals}
     arrived_after = {a.worker: max(0.0, a.received_at - opened) for a in arrivals}
+    # a worker that had the state before the round opened (round 0: the first to fetch it)
+    # started its work early; only the part inside the round counts
+    work = {a.worker: min(a.apply_seconds + a.compute_seconds + a.encode_seconds, arrived_after[a.worker])
+            for a in arrivals}
     losses = [a.train_loss for a in arrivals if a.train_loss == a.train_loss]
     chosen = [a for a, _ in rs.chosen()]
     return RoundMetrics(
@@ -128,6 +134,8 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         max_coefficient=max((abs(a) for a in rs.decision.coefficients.values()), default=None),
         lr=lr, time=timing.wall_time, elapsed_seconds=timing.elapsed_seconds,
         rejected_by_worker=dict(rs.rejected_by), clipped_by_worker=dict(rs.clipped_by),
+        digest_mismatches_by_worker={a.worker: a.digest_mismatches for a in arrivals},
+        resyncs_by_worker={a.worker: a.resyncs for a in arrivals},
     )
 
 
@@ -154,6 +162,9 @@ class RunTotals:
     wall_seconds: float = 0.0
     rejected_by_worker: dict[int, int] = field(default_factory=dict)
     clipped_by_worker: dict[int, int] = field(default_factory=dict)
+    # the largest counts each worker id reported with its pushes
+    digest_mismatches_by_worker: dict[int, int] = field(default_factory=dict)
+    resyncs_by_worker: dict[int, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def add(self, m: RoundMetrics, n_receivers: int) -> None:
@@ -172,6 +183,10 @@ class RunTotals:
                              (self.clipped_by_worker, m.clipped_by_worker)):
             for worker, count in theirs.items():
                 mine[worker] = mine.get(worker, 0) + count
+        for mine, theirs in ((self.digest_mismatches_by_worker, m.digest_mismatches_by_worker),
+                             (self.resyncs_by_worker, m.resyncs_by_worker)):
+            for worker, count in theirs.items():
+                mine[worker] = max(mine.get(worker, 0), count)
 
     def summary(self, dense_fp32_bytes: int) -> dict[str, Any]:
         up = self.upload_bytes / self.uploads if self.uploads else None
@@ -184,8 +199,9 @@ class RunTotals:
             "download_bytes_per_worker_round": down,
             "dense_fp32_bytes": dense_fp32_bytes,
             "upload_ratio_vs_dense_fp32": up / dense_fp32_bytes if up and dense_fp32_bytes else None,
-            # Workers do not report digest checks on the wire; the launcher may fill this in.
-            "digest_mismatches": 0,
+            # as the workers reported them with their pushes (`local` recounts from their reports)
+            "digest_mismatches": sum(self.digest_mismatches_by_worker.values()),
+            "worker_resyncs": sum(self.resyncs_by_worker.values()),
             "resync_state_fetches": self.extra_state_fetches,
             "rejected_frames": self.rejected_frames,
             "late_frames": self.late_frames,
@@ -206,23 +222,60 @@ class MetricsWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
 
     def write_round(self, m: RoundMetrics) -> None:
-        with open(self.run_dir / METRICS_FILE, "a") as f:
-            f.write(m.to_json() + "\n")
+        """Append the round's line; a failed write (disk full) leaves no partial line."""
+        line = (m.to_json() + "\n").encode()
+        with open(self.run_dir / METRICS_FILE, "ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(line):
+                    written += f.write(line[written:])
+            except OSError:
+                f.truncate(end)
+                raise
+
+    def drop_rounds_from(self, round: int) -> int:
+        """Remove the lines of ``round`` and later (a resumed run redoes those rounds) and
+        a partial last line; returns how many lines went."""
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return 0
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if _round_of(line) is not None and _round_of(line) < round]
+        if len(kept) < len(lines):
+            write_text_atomic(path, "".join(line + "\n" for line in kept), durable=True)
+        return len(lines) - len(kept)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         return write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
 
 
-def write_json_atomic(path: Path, data: Any) -> Path:
+def write_json_atomic(path: Path, data: Any, durable: bool = False) -> Path:
     """Write JSON to ``path`` through a temp file and a rename."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable)
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
+def write_text_atomic(path: Path, text: str, durable: bool = False) -> Path:
+    """Write through ``.NAME.tmpPID`` and a rename; ``durable``: fsynced before the rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def _round_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["round"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _finite(value: Any) -> Any:

@@ -30,6 +30,7 @@ class WorkerRecord:
     hostname: str = ""
     device: str = ""
     live: bool = False  # joined (or reclaimed) since this coordinator process started
+    dead: bool = False  # its Rounds stream was gone for coordinator.liveness_s: the slot is free
     state_fetches: int = 0
     cert: str | None = None  # sha256 of the certificate it joined with (mutual TLS)
     session: str = field(default="", repr=False)  # the secret, only for the Join reply
@@ -61,8 +62,8 @@ class WorkerRegistry:
             record = self.authenticate(reclaim_id, reclaim_session, cert)
             record.session = reclaim_session
         else:
-            record = self._new_record()
-        record.hostname, record.device, record.live = hostname, device, True
+            record = self._record_of_certificate(cert) or self._new_record()
+        record.hostname, record.device, record.live, record.dead = hostname, device, True, False
         record.cert = record.cert or cert
         return record
 
@@ -88,18 +89,37 @@ class WorkerRegistry:
             )
         return record
 
+    def _record_of_certificate(self, cert: str | None) -> WorkerRecord | None:
+        """The slot bound to ``cert`` that nobody holds now (its worker restarted, or the
+        coordinator did), with a new session: under mutual TLS the certificate is the
+        worker's identity, as the session is."""
+        record = next((r for r in self.records.values() if cert and r.cert == cert and not r.live), None)
+        if record is not None:
+            record.session = secrets.token_hex(16)
+            record.session_hash = session_hash(record.session)
+        return record
+
     def _new_record(self) -> WorkerRecord:
+        """A free slot, else the lowest dead one (a replacement takes its id and so its
+        partitions; the dead worker's session and certificate no longer count)."""
         free = [i for i in range(self.n) if i not in self.records]
+        free += [i for i, r in sorted(self.records.items()) if r.dead]
         if not free:
             raise RegistryError(
                 "RESOURCE_EXHAUSTED",
                 f"all {self.n} worker slots are taken; a restarted worker must reclaim its id "
-                "(reclaim_worker_id + reclaim_session), or raise `workers` in the run config",
+                "(reclaim_worker_id + reclaim_session), a new one waits until a worker has been "
+                "gone coordinator.liveness_s, or raise `workers` in the run config",
             )
         session = secrets.token_hex(16)
         record = WorkerRecord(free[0], session_hash(session), session=session)
         self.records[record.worker_id] = record
         return record
+
+    def mark_dead(self, worker_id: int) -> None:
+        """The worker is gone: nobody waits for it, and a new worker may take its slot."""
+        record = self.records[worker_id]
+        record.live, record.dead = False, True
 
     @property
     def live_count(self) -> int:

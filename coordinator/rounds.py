@@ -32,6 +32,8 @@ class Arrival:
     received_at: float = field(default_factory=time.monotonic)
     norm: float = 0.0  # L2 norm of the frame's values (geoloco.coordinator.bounds)
     max_abs: float = 0.0  # its largest absolute value
+    digest_mismatches: int = 0  # the worker process's counts so far, as it reported them
+    resyncs: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Decision:
         return self.reason.removesuffix(BOUNDED) in ("all arrived", "decodable")
 
 
-CLOSE_REASONS = ("all arrived", "decodable", "deadline")
+CLOSE_REASONS = ("all arrived", "decodable", "deadline", "live arrived")
 BOUNDED = ", bounded"  # appended to the reason when the frame bounds dropped a frame
 
 
@@ -230,13 +232,19 @@ class RoundState:
             decision = replace(decision, coefficients=coefficients)
         self.decision = decision
 
-    def try_close(self, policy: ClosePolicy) -> Decision | None:
-        """Ask the policy; on a decision the round is closed and keeps it."""
+    def try_close(self, policy: ClosePolicy, others_dead: bool = False) -> Decision | None:
+        """Ask the policy; on a decision the round is closed and keeps it. ``others_dead``:
+        every worker not in is dead, so an arrived set the policy would wait on closes as
+        at the deadline ("live arrived")."""
         if self.closed:
             return self.decision
         if self.opened_at is None:
             return None
-        decision = policy.decide(sorted(self.arrivals), self.seconds_left() <= 0)
+        deadline_passed = self.seconds_left() <= 0
+        give_up = others_dead and bool(self.arrivals) and not deadline_passed
+        decision = policy.decide(sorted(self.arrivals), deadline_passed or give_up)
+        if decision is not None and give_up and decision.reason == "deadline":
+            decision = replace(decision, reason="live arrived")
         self.decision = decision
         return decision
 

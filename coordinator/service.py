@@ -203,7 +203,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             self.state.accept(Arrival(h.worker_id, data, frame, h.compute_seconds, h.train_loss,
                                       tuple(h.partitions), h.encode_seconds, h.apply_seconds,
                                       decode_seconds=decode_seconds, received_at=received,
-                                      norm=norm, max_abs=max_abs))
+                                      norm=norm, max_abs=max_abs,
+                                      digest_mismatches=h.digest_mismatches, resyncs=h.resyncs))
         except RoundError as exc:
             return str(exc)
         return None

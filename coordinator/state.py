@@ -11,13 +11,14 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, encode_dense
-from geoloco.coordinator.metrics import RunTotals
+from geoloco.coordinator.metrics import RunTotals, write_json_atomic
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
@@ -65,8 +66,14 @@ class CoordinatorState:
     """
 
     def __init__(self, layout: Layout, params: list[Tensor], registry: WorkerRegistry,
-                 totals: RunTotals, rs: RoundState) -> None:
+                 totals: RunTotals, rs: RoundState, registry_file: Path | None = None,
+                 liveness_s: float = 60.0) -> None:
         self.layout = layout
+        self.registry_file = registry_file  # the registry, rewritten at every Join
+        self.liveness_s = liveness_s
+        # worker -> since when it has no Rounds stream (joined, restored from a checkpoint,
+        # or its stream ended); gone liveness_s, it is marked dead
+        self.unfollowed_since = dict.fromkeys(registry.records, time.monotonic())
         self.params = params
         self.registry = registry
         self.totals = totals
@@ -86,9 +93,24 @@ class CoordinatorState:
              reclaim_session: str, cert: str | None = None) -> tuple[WorkerRecord, int]:
         """Register (or reclaim) a worker; returns its record and the current round."""
         with self.lock:
+            self.check_liveness()
             record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert)
+            self.unfollowed_since[record.worker_id] = time.monotonic()
+            self.save_registry()
             self.lock.notify_all()
             return record, self.rs.round
+
+    def save_registry(self) -> None:
+        """The registry to ``registry_file``, durably (a coordinator killed right after a
+        Join still knows the worker when it resumes); lock held."""
+        if self.registry_file is None:
+            return
+        try:
+            write_json_atomic(self.registry_file, {str(i): d for i, d in self.registry.to_dict().items()},
+                              durable=True)
+        except OSError as exc:
+            log.error("worker registry not saved to %s (%s); the next Join tries again",
+                      self.registry_file, exc.strerror or exc)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         with self.lock:
@@ -144,6 +166,11 @@ class CoordinatorState:
             if old is not None:
                 old.put(None)
             self.subscribers[worker] = sub
+            self.unfollowed_since.pop(worker, None)
+            record = self.registry.records.get(worker)
+            if record is not None and record.dead:  # slow to start, or cut off: it is back
+                record.live, record.dead = True, False
+                log.warning("worker %d follows the rounds again: no longer dead", worker)
             self.ready.add(worker)
             self.lock.notify_all()
             backlog = [c for c in self.history if c.round >= from_round]
@@ -153,6 +180,24 @@ class CoordinatorState:
             with self.lock:
                 if self.subscribers.get(worker) is sub:
                     del self.subscribers[worker]
+                    self.unfollowed_since[worker] = time.monotonic()
+
+    def check_liveness(self) -> None:
+        """Mark dead every worker without a Rounds stream for liveness_s; lock held."""
+        now = time.monotonic()
+        for worker, since in list(self.unfollowed_since.items()):
+            record = self.registry.records.get(worker)
+            if record is not None and not record.dead and now - since >= self.liveness_s:
+                self.registry.mark_dead(worker)
+                del self.unfollowed_since[worker]
+                log.warning("worker %d has had no Rounds stream for %.0f s: marked dead; rounds no "
+                            "longer wait for it, and a new worker may take its slot", worker, now - since)
+                self.lock.notify_all()
+
+    def _waiting_for(self) -> set[int]:
+        """The slots whose frame the open round still waits for: not in, not dead."""
+        dead = {i for i, r in self.registry.records.items() if r.dead}
+        return set(range(self.registry.n)) - dead - set(self.rs.arrivals)
 
     def mark_finish_delivered(self, worker: int) -> None:
         with self.lock:
@@ -197,7 +242,8 @@ class CoordinatorState:
         """The current round once ``policy`` closed it; None if stopped first."""
         with self.lock:
             while not self.stopping:
-                if self.rs.try_close(policy) is not None:
+                self.check_liveness()
+                if self.rs.try_close(policy, others_dead=not self._waiting_for()) is not None:
                     return self.rs
                 self.lock.wait(timeout=max(0.01, min(self.rs.seconds_left(), 0.5)))
         return None

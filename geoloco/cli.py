@@ -105,6 +105,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
+def _run_dir_flags(p: argparse.ArgumentParser) -> None:
+    """--resume and --overwrite: a run dir holding a previous run needs one of them."""
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the previous run in --run-dir (its checkpoints and metrics go)")
+
+
 def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
@@ -138,6 +146,7 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--wan", metavar="PROFILE", help="link profile of every worker, e.g. 20mbit/50ms")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go")
+    _run_dir_flags(p)
     p.add_argument("--method", choices=("sparseloco", "diloco"), help="SparseLoCo or the dense DiLoCo baseline")
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--inner-steps", type=int, metavar="H", help="inner AdamW steps per round")
@@ -165,7 +174,7 @@ def _add_coordinator(sub: Any) -> None:
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    _run_dir_flags(p)
     _metrics_flags(p)
     _security(p, "coordinator")
     p.set_defaults(run=_run_coordinator)
@@ -189,6 +198,9 @@ def _add_worker(sub: Any) -> None:
                    help="relay through an in-process link emulator with this profile (for hosts without netem)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="keep this worker's own state (error feedback, inner AdamW state, data "
+                   "positions) in DIR every worker.state_every rounds; a restart resumes it")
     p.add_argument("--identity-file", metavar="FILE",
                    help="reclaim the worker id and session in this JSON file (written by the "
                    "container entrypoint's join-and-apply step)")
@@ -282,7 +294,8 @@ def _run_local(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.launch import run_local
 
-    return run_local(cfg, stall_timeout_s=args.stall_timeout).exit_code
+    return run_local(cfg, stall_timeout_s=args.stall_timeout, resume=args.resume,
+                     overwrite=args.overwrite).exit_code
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
@@ -290,7 +303,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.coordinator.app import run_coordinator
 
-    return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume)
+    return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume, overwrite=args.overwrite)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -306,7 +319,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
         identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
-        metrics=_worker_metrics(cfg),
+        metrics=_worker_metrics(cfg), state_dir=args.state_dir, state_every=cfg.worker.state_every,
     )
 
 

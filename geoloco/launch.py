@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +26,8 @@ from geoloco.config import RunConfig, load_config, validate
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 from geoloco.progress import RunProgress, make_progress, number, size
+from geoloco.run_dir import COORDINATOR_OUTPUTS, claim_run_dir
+from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +39,18 @@ WARMUP_TIMEOUT_S = 900.0  # compiling the codec kernels (about a minute on two i
 POLL_S = 0.25
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 LOG_TAIL_LINES = 30
+COORDINATOR_STOP_S = 120.0  # a stopping coordinator writes its checkpoint and summary first
 EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
-STALE = ("metrics.jsonl", "summary.json", PORT_FILE, METRICS_PORT_FILE)
+# what `local` writes in the run dir beside the coordinator's files (--overwrite removes it)
+LOCAL_OUTPUTS = (*COORDINATOR_OUTPUTS, "logs", "workers", CERTS_DIR, "config.json")
 
 
 class LaunchError(RuntimeError):
     """A process of the local run died, or the run stalled; the message says which."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM asked the local run to stop."""
 
 
 @dataclass
@@ -96,9 +103,7 @@ class RunResult:
 
     def metrics(self) -> list[dict[str, Any]]:
         """metrics.jsonl's rounds."""
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        return _metrics_lines(self.run_dir)
 
 
 def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
@@ -111,48 +116,46 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
 
 
 def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
-              stall_timeout_s: float | None = None, progress: RunProgress | None = None) -> RunResult:
+              stall_timeout_s: float | None = None, progress: RunProgress | None = None,
+              resume: bool = False, overwrite: bool = False) -> RunResult:
     """Run a whole training job locally: the coordinator and ``workers`` worker processes
     on loopback; returns the RunResult once every process has ended. ``progress`` shows
-    it (default: monitoring.progress on stdout)."""
+    it (default: monitoring.progress on stdout). A run dir holding a previous run needs
+    ``resume`` (continue it) or ``overwrite`` (replace it): geoloco.run_dir's rule, checked
+    before anything starts (ConfigError)."""
     cfg = as_config(config)
-    run = LocalRun(cfg, stall_timeout_s, progress)
-    previous = _raise_on_signals()
-    try:
-        run.start()
-        run.watch()
-    except LaunchError as exc:
-        log.error("%s", exc)
-        return RunResult(EXIT_FAILED, run.run_dir, run.read_summary(), str(exc))
-    except KeyboardInterrupt:
-        log.warning("interrupted: stopping the coordinator and the workers")
-        return RunResult(EXIT_INTERRUPTED, run.run_dir, run.read_summary(), "interrupted")
-    finally:
-        run.progress.close()
-        run.stop()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-    return RunResult(0, run.run_dir, run.report())
-
-
-def _raise_on_signals() -> dict[int, Any]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt, so either stops the whole run cleanly
-    (also when the launcher was started with SIGINT ignored, as background jobs are)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    return {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    claim_run_dir(cfg.run_dir, resume, overwrite, LOCAL_OUTPUTS)
+    run = LocalRun(cfg, stall_timeout_s, progress, resume)
+    # The children ignore SIGINT (they inherit it ignored): a Ctrl-C on the terminal reaches
+    # the whole process group, and only this launcher acts on it, with one SIGTERM each.
+    with StopSignals(on_force=run.kill, keep_ignored=False) as signals:
+        run.stop_requested = signals.requested
+        try:
+            run.start()
+            run.watch()
+            code, error = 0, None
+        except LaunchError as exc:
+            log.error("%s", exc)
+            code, error = EXIT_FAILED, str(exc)
+        except Interrupted:
+            log.warning("%s: stopping the coordinator (it checkpoints) and the workers",
+                        signals.name)
+            code, error = EXIT_INTERRUPTED, "interrupted"
+        finally:
+            run.progress.close()
+            run.stop()
+    if code == EXIT_FAILED:
+        return RunResult(code, run.run_dir, run.read_summary(), error)
+    return RunResult(code, run.run_dir, run.report(), error)
 
 
 class LocalRun:
     """The processes and relays of one local run and the progress read from its run dir."""
 
     def __init__(self, cfg: RunConfig, stall_timeout_s: float | None = None,
-                 progress: RunProgress | None = None) -> None:
+                 progress: RunProgress | None = None, resume: bool = False) -> None:
         self.cfg = cfg
+        self.resume = resume  # continue the run in run_dir: its checkpoints, metrics, certificates
         self.progress = progress or make_progress(cfg.monitoring.progress, cfg.rounds)
         self.run_dir = Path(cfg.run_dir)
         self.stall_timeout_s = stall_timeout_s or cfg.coordinator.deadline_s + 120.0
@@ -162,8 +165,10 @@ class LocalRun:
         self.relays: list[RelayThread] = []
         self.exits = contextlib.ExitStack()
         self.metrics_offset = 0
+        self.last_shown = -1  # the last round whose line progress showed
         self.started = time.monotonic()
         self.certs = self.run_dir / CERTS_DIR
+        self.stop_requested = threading.Event()  # set by run_local's signal handler
 
     # ------------------------------------------------------------------ start
 
@@ -215,12 +220,19 @@ class LocalRun:
         return f"each on a {links[0]} link" if len(set(links)) == 1 else "links " + ", ".join(links)
 
     def _prepare_dir(self) -> None:
-        """Clear what a previous run left in the run dir, then create its folders and the
-        run's credentials (mutual TLS on every connection, as in a deployment)."""
-        for sub in ("logs", "workers", "checkpoints", CERTS_DIR):
-            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
-        for name in STALE:
+        """Create the run dir's folders and the run's credentials (mutual TLS on every
+        connection, as in a deployment); a resumed run keeps its certificates (the
+        coordinator knows the workers by them), and only the previous processes' join
+        reports and port files go."""
+        if not self.resume:
+            shutil.rmtree(self.certs, ignore_errors=True)
+        for name in (PORT_FILE, METRICS_PORT_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
+        for stale in (self.run_dir / "workers").glob("*"):
+            if stale.is_file():
+                stale.unlink()
+        if self.resume:  # the rounds done before are not shown again
+            self.last_shown = max((m["round"] for m in _metrics_lines(self.run_dir)), default=-1)
         for sub in ("logs", "workers"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         certs.make_run_credentials(self.certs, None, self.cfg.workers)
@@ -231,6 +243,7 @@ class LocalRun:
     def _start_coordinator(self) -> int:
         args = ["coordinator", "--config", str(self.run_dir / "config.json"),
                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir),
+                "--resume" if self.resume else "--overwrite",  # run_local checked the run dir
                 "--token-file", str(self.certs / certs.TOKEN_FILE),
                 "--tls-ca", str(self.certs / certs.CA_CERT),
                 "--tls-cert", str(self.certs / certs.COORDINATOR_CERT),
@@ -272,17 +285,19 @@ class LocalRun:
 
     def _spawn(self, name: str, args: list[str]) -> Child:
         path = self.run_dir / "logs" / f"{name}.log"
-        out = open(path, "wb")  # noqa: SIM115 - closed in stop()
+        out = open(path, "ab" if self.resume else "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # one thread per process by default
             env.setdefault(var, "1")
-        proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+        with _sigint_ignored():  # the child inherits it: only SIGTERM from stop() stops it
+            proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=env)
         return Child(name, proc, path, out)
 
     def _wait(self, ready: Any, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
+            self._check_interrupt()
             self._check_children()
             if time.monotonic() > deadline:
                 raise LaunchError(f"timed out after {timeout_s:g}s waiting for {what}")
@@ -294,6 +309,7 @@ class LocalRun:
         """Print progress until the coordinator exits 0 and every worker has exited 0."""
         last_progress = time.monotonic()
         while self.coordinator.proc.poll() is None:
+            self._check_interrupt()
             if self._print_new_rounds():
                 last_progress = time.monotonic()
             self._check_children()
@@ -306,6 +322,10 @@ class LocalRun:
         self._wait(lambda: all(w.proc.poll() is not None for w in self.workers), "the workers to exit")
         self._check_children()
 
+    def _check_interrupt(self) -> None:
+        if self.stop_requested.is_set():
+            raise Interrupted("stop requested")
+
     def _check_children(self) -> None:
         for child in [self.coordinator, self.warmup, *self.workers]:
             code = child.proc.poll() if child else None
@@ -317,33 +337,51 @@ class LocalRun:
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return False
+        if path.stat().st_size < self.metrics_offset:  # a resumed coordinator dropped redone rounds
+            self.metrics_offset = 0
         with open(path) as f:
             f.seek(self.metrics_offset)
             text = f.read()
         complete = text[: text.rfind("\n") + 1]
         self.metrics_offset += len(complete.encode())
-        for line in complete.splitlines():
-            if line.strip():
-                self.progress.round(json.loads(line))
-        return bool(complete)
+        rounds = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        for m in rounds:
+            if m["round"] > self.last_shown:
+                self.progress.round(m)
+                self.last_shown = m["round"]
+        return bool(rounds)
 
     # ------------------------------------------------------------------ stop and report
 
     def stop(self) -> None:
-        """Stop whatever still runs (SIGTERM, then SIGKILL), close relays and logs."""
-        children = [c for c in [self.coordinator, self.warmup, *self.workers] if c is not None]
+        """Stop whatever still runs (one SIGTERM each; SIGKILL after STOP_GRACE_S, the
+        coordinator's checkpoint gets COORDINATOR_STOP_S), close relays and logs."""
+        children = self.children()
         for child in children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        started = time.monotonic()
         for child in children:
+            grace = COORDINATOR_STOP_S if child is self.coordinator else STOP_GRACE_S
             with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, started + grace - time.monotonic()))
             if child.proc.poll() is None:
+                log.warning("%s did not stop within %.0f s: killing it", child.name, grace)
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
         self.exits.close()
+
+    def kill(self) -> None:
+        """SIGKILL every child at once (a second Ctrl-C): nothing is left running."""
+        for child in self.children():
+            if child.proc.poll() is None:
+                child.proc.kill()
+        for child in self.children():
+            child.proc.wait()
+
+    def children(self) -> list[Child]:
+        return [c for c in [self.coordinator, self.warmup, *self.workers] if c is not None]
 
     def read_summary(self) -> dict[str, Any]:
         path = self.run_dir / "summary.json"
@@ -369,6 +407,24 @@ class LocalRun:
     def worker_reports(self) -> list[dict[str, Any]]:
         paths = sorted((self.run_dir / "workers").glob("worker-*.json"))
         return [json.loads(p.read_text()) for p in paths]
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def summary_table(summary: dict[str, Any], workers: list[dict[str, Any]], run_dir: Path) -> str:

@@ -31,8 +31,10 @@ _COMMON_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-# Servers must accept the clients' keepalive pings, or they answer with GOAWAY.
+# Servers must accept the clients' keepalive pings, or they answer with GOAWAY. SO_REUSEPORT
+# is gRPC's default on Linux: a second coordinator would bind a busy port and share the Joins.
 SERVER_OPTIONS = _COMMON_OPTIONS + [
+    ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
 ]

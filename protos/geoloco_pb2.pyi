@@ -72,7 +72,7 @@ class StateChunk(_message.Message):
     def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., task: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions", "encode_seconds", "apply_seconds")
+    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions", "encode_seconds", "apply_seconds", "digest_mismatches", "resyncs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class PushHeader(_message.Message):
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     ENCODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     session: str
     round: int
@@ -91,7 +93,9 @@ class PushHeader(_message.Message):
     partitions: _containers.RepeatedScalarFieldContainer[int]
     encode_seconds: float
     apply_seconds: float
-    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ..., encode_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    digest_mismatches: int
+    resyncs: int
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ..., encode_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., digest_mismatches: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from geoloco.config import TlsConfig
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
+from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.loop import Worker
@@ -27,7 +27,6 @@ from geoloco.worker.trainer import InnerStep
 log = logging.getLogger(__name__)
 
 EXIT_FAILED = 1  # the run could not be joined or followed to its end
-EXIT_INTERRUPTED = 130
 
 
 def run_worker(
@@ -43,34 +42,43 @@ def run_worker(
     tls: TlsConfig | None = None,
     precision: str = "auto",
     metrics: tuple[str, int] | None = None,
+    state_dir: str | Path | None = None,
+    state_every: int | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
     ``wait_for`` delays the Join until that file exists (the local launcher orders joins);
     ``identity_file`` makes the first Join reclaim the id and session written there;
-    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there;
+    ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there; ``state_dir``
+    keeps the worker's own state every ``state_every`` rounds (geoloco.worker.local_state);
     ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
     allowed there)."""
     torch.set_num_threads(threads)
     security = channel_security(tls or TlsConfig(), coordinator)
-    if wait_for is not None:
-        _wait_for_file(Path(wait_for))
-    try:
-        identity = read_identity(Path(identity_file)) if identity_file else None
-        with _link(coordinator, wan_emulate) as address:
-            session = Session(address, token, connect_timeout_s, identity,
-                              _through_relay(security, coordinator, address))
-            worker = Worker(session, device, Path(report_dir) if report_dir else None,
-                            precision=precision)
-            with _metrics(worker, metrics):
-                return worker.run()
-    except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError,
-            OSError) as exc:
-        log.error("worker failed: %s", exc)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        log.warning("worker interrupted")
-        return EXIT_INTERRUPTED
+    with StopSignals() as signals:  # Ctrl-C or SIGTERM: stop where it is, report "stopped"
+        if wait_for is not None and not _wait_for_file(Path(wait_for), signals.requested):
+            return EXIT_INTERRUPTED
+        try:
+            identity = read_identity(Path(identity_file)) if identity_file else None
+            with _link(coordinator, wan_emulate) as address:
+                session = Session(address, token, connect_timeout_s, identity,
+                                  _through_relay(security, coordinator, address))
+                worker = Worker(session, device, Path(report_dir) if report_dir else None,
+                                precision=precision,
+                                state_dir=Path(state_dir) if state_dir else None,
+                                state_every=state_every)
+                signals.on_stop = worker.stop
+                if signals.requested.is_set():
+                    return EXIT_INTERRUPTED
+                with _metrics(worker, metrics):
+                    return worker.run()
+        except (CoordinatorUnreachable, JoinRefused, RuntimeError, FloatingPointError, ValueError,
+                OSError) as exc:
+            if signals.requested.is_set():
+                log.warning("worker stopped (%s)", exc)
+                return EXIT_INTERRUPTED
+            log.error("worker failed: %s", exc)
+            return EXIT_FAILED
 
 
 class WorkerThread:
@@ -155,6 +163,9 @@ def _through_relay(security: ChannelSecurity | None, coordinator: str,
     return ChannelSecurity(security.credentials, parse_address(coordinator)[0])
 
 
-def _wait_for_file(path: Path, poll_s: float = 0.05) -> None:
+def _wait_for_file(path: Path, stop: threading.Event, poll_s: float = 0.05) -> bool:
+    """Wait until ``path`` exists (True) or ``stop`` is set (False)."""
     while not path.exists():
-        time.sleep(poll_s)
+        if stop.wait(poll_s):
+            return False
+    return True

@@ -26,16 +26,25 @@ from geoloco.replica import param_digest, replica_layout
 from geoloco.tasks import build_task
 from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
+from geoloco.worker import local_state
 from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
 from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
-from geoloco.worker.trainer import InnerStep, InnerTrainer, describe_device, resolve_device
+from geoloco.worker.trainer import (
+    InnerStep,
+    InnerTrainer,
+    TrainingStopped,
+    describe_device,
+    resolve_device,
+)
 
 log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 130  # run()'s code after stop(), the same as an interrupt's
+STATE_COST_SHARE = 0.05  # worker.state_every None: local state saves take at most this of a round
 
 
 class Stopped(Exception):
@@ -109,7 +118,8 @@ class Worker:
 
     def __init__(self, session: Session, device: str = "auto", report_dir: Path | None = None,
                  max_resyncs: int = 50, precision: str = "auto",
-                 inner_step: InnerStep | None = None) -> None:
+                 inner_step: InnerStep | None = None, state_dir: Path | None = None,
+                 state_every: int | None = None) -> None:
         self.session = session
         self.device = resolve_device(device)
         self.precision = precision
@@ -118,6 +128,11 @@ class Worker:
         self.report_dir = report_dir  # worker-<id>.json goes there (join, then the final digest)
         self.max_resyncs = max_resyncs  # give up if the replica keeps diverging
         self.training: Training | None = None  # built at the first Join
+        self.state_dir = state_dir  # the worker's own state goes there (None: nowhere)
+        self.state_every = state_every  # rounds between saves; None: measured (STATE_COST_SHARE)
+        self.state_interval = 1  # the measured one
+        self.state_saved_round = -1
+        self.applied_at: float | None = None  # when the last round result was applied
         self.theta: list[Tensor] = []
         self.round = -1
         self.task: pb.WorkerTask | None = None  # None: θ is not known to be the coordinator's
@@ -143,7 +158,7 @@ class Worker:
                     finished = self.play_round()
                 except Disconnected as exc:
                     self.reconnect(str(exc))
-        except Stopped:
+        except (Stopped, TrainingStopped):
             log.info("worker %s stopped at round %d", self.session.worker_id, self.round)
             self.write_report("stopped")
             self.close()
@@ -152,10 +167,11 @@ class Worker:
         return 0
 
     def stop(self) -> None:
-        """End run() from another thread: the session closes, so a call waiting on the
-        coordinator returns, and the loop ends instead of rejoining."""
+        """End run() from another thread (or a signal handler): the session closes, so a
+        call waiting on the coordinator returns, the inner loop ends at its next step, and
+        the loop ends instead of rejoining."""
         self.stopping.set()
-        self.session.close()
+        self.session.stop()
 
     def play_round(self) -> bool:
         """One round from θ_r: train → confirm θ_r → straggle → encode → push → apply.
@@ -188,7 +204,7 @@ class Worker:
         training, start, losses = self.training, time.monotonic(), []
         partitions = training.deltas.to_train(self.task)
         for p in partitions:
-            delta, loss = training.trainer.train_partition(self.theta, p, self.round)
+            delta, loss = training.trainer.train_partition(self.theta, p, self.round, self.stopping)
             training.deltas.keep(p, delta)
             losses.append(loss)
         mean_loss = sum(losses) / len(losses) if losses else math.nan
@@ -218,7 +234,8 @@ class Worker:
         delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
         if delay > 0:
             log.info("round %d: straggler emulation computes %.2fs more", self.round, delay)
-            occupy(delay)
+            if not occupy(delay, self.stopping):
+                raise Stopped("stop() was called")
 
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""
@@ -229,7 +246,7 @@ class Worker:
         log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes (encoded in %.2fs)",
                  self.round, trained.partitions, trained.compute_s, trained.loss, len(frame), encode_s)
         return Push(self.round, frame, trained.compute_s, trained.loss, trained.partitions, encode_s,
-                    self.apply_s)
+                    self.apply_s, self.counters.digest_mismatches, self.counters.resyncs)
 
     def push(self, push: Push) -> None:
         reply = self.session.push(push)
@@ -262,6 +279,7 @@ class Worker:
                  list(header.arrived), self.apply_s)
         self.round, self.task, self.outbox = header.round + 1, header.next_task, None
         self.check = DigestCheck(header, self.theta, result.digest)
+        self.save_local_state()
         if header.finished:
             self.confirm()
         return header.finished
@@ -318,11 +336,54 @@ class Worker:
             self.training = Training.from_join(reply, self.device, self.precision, self.inner_step)
             # θ on huge pages: applying sparse rounds touches cache lines at random
             self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
+            self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
         if reply.current_round != self.round or self.task is None:
             self.fetch_state()
         self.session.follow(self.round, self.training.layout)
+
+    def restore_local_state(self) -> None:
+        """After the first Join: the state this worker id saved in state_dir, if any; else
+        the error feedback starts from zero, and the log says so."""
+        if self.state_dir is None:
+            return
+        path = local_state.state_path(self.state_dir, self.session.worker_id)
+        if not path.exists():
+            log.warning("no local state of worker %d in %s: error feedback and inner AdamW "
+                        "state start from zero", self.session.worker_id, self.state_dir)
+            return
+        try:
+            saved_at = local_state.load(path, self.training)
+        except LocalStateError as exc:
+            log.warning("%s: error feedback and inner AdamW state start from zero", exc)
+            return
+        log.info("restored the local state of round %d from %s (error feedback, inner AdamW "
+                 "state, data positions)", saved_at, path)
+
+    def save_local_state(self) -> None:
+        """Between rounds, every state_every rounds (None: every round while a save costs
+        under STATE_COST_SHARE of a round, else as rarely as keeps it so): the worker's own
+        state to state_dir; a failed write is logged and training goes on."""
+        start = time.monotonic()
+        round_s = start - self.applied_at if self.applied_at is not None else None
+        self.applied_at = start
+        every = self.state_interval if self.state_every is None else self.state_every
+        if self.state_dir is None or not every or self.round - self.state_saved_round < every:
+            return
+        path = local_state.state_path(self.state_dir, self.session.worker_id)
+        try:
+            local_state.save(path, self.training, self.round)
+        except OSError as exc:
+            log.error("local state of round %d not written to %s (%s); training goes on",
+                      self.round, path, exc.strerror or exc)
+            return
+        save_s, self.state_saved_round = time.monotonic() - start, self.round
+        if self.state_every is None and round_s:
+            self.state_interval = max(1, math.ceil(save_s / (STATE_COST_SHARE * round_s)))
+        log.info("local state of round %d saved in %.3fs (%s); next in %d rounds", self.round,
+                 save_s, f"{save_s / round_s:.1%} of a round" if round_s else "first", every
+                 if self.state_every is not None else self.state_interval)
 
     def reconnect(self, reason: str) -> None:
         """Rejoin with the same id, retrying until connect_timeout_s (Join itself backs off

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class Push:
     partitions: list[int] = field(default_factory=list)  # trained fresh this round
     encode_s: float = 0.0
     apply_s: float = 0.0  # applying the previous round result, before this round's compute
+    digest_mismatches: int = 0  # this process's counts so far, for the coordinator's summary
+    resyncs: int = 0
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Session:
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.CoordinatorStub | None = None
         self._follower: RoundsFollower | None = None
+        self.stopping = threading.Event()  # stop() was called: no call is retried
 
     def join(self, device: str) -> pb.JoinReply:
         """Join, or reclaim this session's id once it has one, retrying with exponential
@@ -91,7 +95,7 @@ class Session:
 
         self.close()
         reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s,
-                                                           security=self.security)
+                                                           sleep=self._backoff, security=self.security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.worker_id, self.secret = reply.worker_id, reply.session
         log.info("%s as worker %d at %s (open round %d, device %s, straggler profile %r)",
@@ -118,7 +122,8 @@ class Session:
         header = pb.PushHeader(worker_id=self.worker_id, session=self.secret, round=push.round,
                                total_bytes=len(push.frame), compute_seconds=push.compute_s,
                                train_loss=push.train_loss, partitions=push.partitions,
-                               encode_seconds=push.encode_s, apply_seconds=push.apply_s)
+                               encode_seconds=push.encode_s, apply_seconds=push.apply_s,
+                               digest_mismatches=push.digest_mismatches, resyncs=push.resyncs)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(push.frame)]
         try:
             return self._connected().Push(iter(chunks), metadata=self._metadata())
@@ -141,6 +146,16 @@ class Session:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return transport.caller_metadata(self.worker_id, self.secret)
+
+    def _backoff(self, seconds: float) -> None:
+        """Join's wait before a retry; Disconnected at once after stop()."""
+        if self.stopping.wait(seconds):
+            raise Disconnected("stopped while waiting to join again")
+
+    def stop(self) -> None:
+        """Close, and end any Join retry at once (a worker that is stopping)."""
+        self.stopping.set()
+        self.close()
 
     def close(self) -> None:
         self._stop_following()

@@ -25,6 +25,7 @@ compute would, rather than freeing it for the others on a shared machine.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -155,15 +156,19 @@ def make_straggler(profile: str, worker_id: int, seed: int) -> StragglerModel:
 OCCUPY_SIDE = 64  # the busy loop multiplies 64 x 64 matrices: a few microseconds each
 
 
-def occupy(seconds: float) -> None:
+def occupy(seconds: float, stop: threading.Event | None = None) -> bool:
     """Keep this thread computing for ``seconds`` of wall time (small matrix products), as
     the extra compute of a slower worker would: the core stays busy, so the other workers
-    on a shared machine do not get it (a sleep would hand it to them)."""
+    on a shared machine do not get it (a sleep would hand it to them). False when ``stop``
+    was set first."""
     end = time.monotonic() + seconds
     a = torch.ones(OCCUPY_SIDE, OCCUPY_SIDE)
     b = torch.empty_like(a)
     while time.monotonic() < end:
+        if stop is not None and stop.is_set():
+            return False
         torch.mm(a, a, out=b)
+    return True
 
 
 def _round_rng(seed: int, worker_id: int, round_index: int) -> np.random.Generator:

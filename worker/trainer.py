@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,10 @@ from geoloco.schedule import lr_at
 from geoloco.tasks import Batch, BatchIterator, Task
 
 log = logging.getLogger(__name__)
+
+
+class TrainingStopped(Exception):
+    """The worker is stopping: the inner loop ended before its H steps."""
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -83,13 +88,17 @@ class InnerTrainer:
         )
         self.positions: dict[int, BatchIterator] = {}  # each partition's data position
 
-    def train_partition(self, theta: list[Tensor], partition: int, round_index: int) -> tuple[list[Tensor], float]:
+    def train_partition(self, theta: list[Tensor], partition: int, round_index: int,
+                        stop: threading.Event | None = None) -> tuple[list[Tensor], float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
-        Batches and the learning rate follow the global step ``round × H + step``."""
+        Batches and the learning rate follow the global step ``round × H + step``. Once
+        ``stop`` is set, TrainingStopped at the next step."""
         self._load(theta)
         batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
         for step in range(self.inner.steps):
+            if stop is not None and stop.is_set():
+                raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")
             global_step = round_index * self.inner.steps + step
             losses.append(self._step(next(batches), global_step))
         return self._deltas(theta), sum(losses) / len(losses)

@@ -88,6 +88,14 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: f
         time.sleep(poll)
 
 
+def coordinator_port(run_dir: Path, timeout: float = 90) -> int:
+    """The port a coordinator started with ``--listen HOST:0`` wrote to run_dir/coordinator.port."""
+    port_file = run_dir / "coordinator.port"
+    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), timeout,
+               "the coordinator to write its port")
+    return int(port_file.read_text())
+
+
 def run_worker_threads(coordinator: Any, workers: list[Any], timeout: float,
                        started: Callable[[int], None] | None = None) -> dict[int, int]:
     """Run in-process workers (objects with ``run()`` and ``close()``, such as a

@@ -7,6 +7,7 @@ the state again and finish in step)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -151,3 +152,5 @@ def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Pat
     reports = worker_reports(tmp_path / "reports")
     assert sorted(r["resyncs"] for r in reports.values()) == [0, 1]
     assert all(r["digest"] == digest and r["status"] == "finished" for r in reports.values())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # over gRPC, no launcher
+    assert (summary["digest_mismatches"], summary["worker_resyncs"]) == (1, 1), summary

@@ -130,3 +130,17 @@ def test_the_registry_keeps_only_session_hashes_bound_to_the_joining_certificate
     assert restored.join("tok", "host", "cpu", record.worker_id, session, "cert-a").worker_id == record.worker_id
     with pytest.raises(RegistryError, match="bad session"):
         restored.authenticate(record.worker_id, "0" * 32, "cert-a")
+
+
+def test_a_join_with_the_certificate_of_a_slot_nobody_holds_takes_that_slot() -> None:
+    registry = WorkerRegistry(2, "tok")
+    first = [registry.join("tok", "host", "cpu", None, "", cert=c) for c in ("cert-a", "cert-b")]
+    restored = WorkerRegistry(2, "tok")  # a resumed coordinator: nobody holds a slot yet
+    restored.load_dict(registry.to_dict())
+    again = restored.join("tok", "host", "cpu", None, "", cert="cert-b")
+    assert again.worker_id == first[1].worker_id and again.session != first[1].session
+    assert restored.authenticate(again.worker_id, again.session, "cert-b") is again
+    with pytest.raises(RegistryError, match="slots are taken"):  # cert-b's slot is held now
+        restored.join("tok", "host", "cpu", None, "", cert="cert-b")
+    with pytest.raises(RegistryError, match="slots are taken"):  # another certificate
+        restored.join("tok", "host", "cpu", None, "", cert="cert-c")
