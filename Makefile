@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: venv
-	$(BIN)/geoloco local --workers 4 --wan 20mbit/50ms --run-dir $(RUN_DIR)
+	$(BIN)/geoloco local --workers 4 --wan 20mbit/50ms --run-dir $(RUN_DIR) --overwrite
 
 test: venv
 	$(BIN)/ruff check .
