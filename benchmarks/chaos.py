@@ -294,19 +294,19 @@ def figures(name: str, cluster: Cluster, injector: Injector, deadline_s: float, 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="3 worker kills, 1 coordinator kill, 1 link cut, 30 rounds")
+    p.add_argument("--quick", action="store_true", help="3 worker kills, 1 coordinator kill, 1 link cut, 45 rounds")
     p.add_argument("--worker-kills", type=int, default=None)
     p.add_argument("--coordinator-kills", type=int, default=None)
     p.add_argument("--link-cuts", type=int, default=None)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=20.0, help="coordinator.deadline_s")
-    p.add_argument("--liveness-s", type=float, default=10.0, help="coordinator.liveness_s")
+    p.add_argument("--liveness-s", type=float, default=6.0, help="coordinator.liveness_s")
     p.add_argument("--cut-s", type=float, default=2.0, help="how long a link stays cut")
     p.add_argument("--timeout-s", type=float, default=600.0, help="give up on a run after this long")
     p.add_argument("--work-dir", help="keep the run directories here (default: a temporary folder)")
     args = p.parse_args(argv)
-    quick = (3, 1, 1, 30) if args.quick else (20, 5, 2, 240)
+    quick = (3, 1, 1, 45) if args.quick else (20, 5, 2, 240)
     for key, value in zip(("worker_kills", "coordinator_kills", "link_cuts", "rounds"), quick, strict=True):
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -2,7 +2,8 @@
 ef_drift) and the security ones (fuzz_rpc, scale) run end to end in their ``--quick`` form
 and end with one JSON line holding the figures they promise. Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
-(three real local runs), the in-process ones 10-25 s each."""
+(three real local runs), chaos 3-5 minutes (three runs of 5 real processes, one with 3
+worker kills, a coordinator kill and a cut link), the in-process ones 10-25 s each."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ KEYS = {
     "quantizer": {"loss_mean", "codec"},
     "pgc_cr": {"weights", "loss_mean"},
     "ef_drift": {"uncoded_drift", "worst_coded_over_uncoded", "rows"},
+    "chaos": {"rounds_done", "rounds_applied_twice", "max_round_s_over_deadline",
+              "replica_digest_mismatch_at_end", "final_loss", "undisturbed_final_loss",
+              "injected_faults", "coordinator_only_digest_equal"},
 }
 RUN_DIR = {"wan"}  # the benchmarks that take --run-dir
 
@@ -37,7 +41,7 @@ def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
     extra = ["--run-dir", str(tmp_path / name)] if name in RUN_DIR else []
     proc = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{name}", "--quick", *extra],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=420,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600 if name == "chaos" else 420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
