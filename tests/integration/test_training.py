@@ -28,15 +28,6 @@ WORKERS = 3
 ROUNDS = 5
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "test-logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def run_local(processes: Processes, run_dir: Path, extra: dict[str, str], method: str) -> str:
     args = ["local", "--workers", str(WORKERS), "--rounds", str(ROUNDS), "--wan", "unlimited",
             "--run-dir", str(run_dir), "--method", method, "--stall-timeout", "60",
