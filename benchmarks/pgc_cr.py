@@ -1,5 +1,5 @@
-"""Pipelined cyclic codes: what mixing pseudo-gradients of different ages costs (Su and
-Li 2026, arXiv 2607.20739; docs/gradient-coding.md, "Pipelined CR: ages").
+"""Pipelined cyclic codes: what mixing pseudo-gradients of different ages costs
+(docs/gradient-coding.md, "Pipelined CR: ages").
 
 Under ``pgc-cr`` every holder of a partition holds its own version of it, of a different
 age when the training orders are the cyclic shift; the decode then combines the versions

@@ -1,5 +1,5 @@
 """Gradient coding against a straggler, measured fairly (Tandon et al. 2017, "Gradient
-Coding"; Su and Li 2026, "Pipelined gradient coding", arXiv 2607.20739).
+Coding"; the pipelined variant: docs/gradient-coding.md).
 
 Each run is a real ``geoloco local`` job (coordinator + n worker processes on loopback,
 unlimited links, gpt-tiny, compute-bound rounds). Worker 0 is 4x slower in every other

@@ -4,8 +4,11 @@ combination it sends, and the decoding coefficients that rebuild the full update
 Classic gradient coding follows Tandon, Lei, Dimakis and Karampatziakis, "Gradient Coding:
 Avoiding Stragglers in Distributed Learning" (ICML 2017): fractional repetition (FR) and the
 cyclic repetition construction (CR, their Algorithm 2). The pipelined variants spread the
-s + 1-fold redundancy over rounds instead of within one, after Su and Li, "Pipelined
-gradient coding" (2026, arXiv 2607.20739). Decoding runs in float64 with numpy.
+s + 1-fold redundancy over rounds instead of within one: each round a worker trains one of
+its s + 1 partitions and sends the coded combination of its latest result for each (our
+own construction; the closest published work on coding across rounds is Krishnan, Ebrahimi
+and Khisti, "Sequential Gradient Coding for Straggler Mitigation", ICLR 2023). Decoding
+runs in float64 with numpy.
 
 Worker i holds partitions S_i and sends m_i = sum_j B[i, j] * delta_j. For an arrived set F
 the decoder finds a with sum_{i in F} a_i * B[i] == 1 (all ones), so that

@@ -112,7 +112,7 @@ class OuterConfig:
 
 @dataclass
 class CodingConfig:
-    """Gradient coding against stragglers (Tandon et al. 2017; Su and Li 2026)."""
+    """Gradient coding against stragglers (Tandon et al. 2017; docs/gradient-coding.md)."""
 
     scheme: str = "none"  # one of SCHEMES
     stragglers: int = 0  # s: how many slow or dead workers a round tolerates

@@ -1,6 +1,6 @@
 """The two profile grammars of a run's config: WAN link profiles such as
 ``20mbit/50ms/5ms/0.1%`` (rate, one-way delay, jitter, loss) and straggler profiles such as
-``fixed:4`` or ``trace:FILE`` (the straggler models of Tandon et al. 2017 and Su and Li 2026).
+``fixed:4`` or ``trace:FILE`` (the straggler models of the gradient-coding literature, e.g. Tandon et al. 2017).
 
 One parser for each, shared by the config validation, the link emulator, the ``tc``
 shaping in containers and the worker's straggler emulation, so a profile means the same

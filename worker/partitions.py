@@ -1,5 +1,5 @@
-"""Pipelined gradient coding on the worker (Su and Li 2026, arXiv 2607.20739; the code
-itself is the coordinator's): the latest pseudo-gradient of every partition this worker
+"""Pipelined gradient coding on the worker (docs/gradient-coding.md, "Pipelined
+gradient coding"; the code itself is the coordinator's): the latest pseudo-gradient of every partition this worker
 holds, which partitions a round trains, and the coded message combined from them.
 """
 

@@ -1,8 +1,8 @@
 """Straggler emulation: seeded per-worker models of the extra delay a round suffers.
 
 The models follow the straggler literature that gradient coding is evaluated against
-(Tandon, Lei, Dimakis and Karampatziakis 2017, "Gradient Coding"; Su and Li 2026,
-"Pipelined gradient coding", arXiv 2607.20739): a fixed slow-down factor, a shifted
+(Tandon, Lei, Dimakis and Karampatziakis 2017, "Gradient Coding"; Krishnan, Ebrahimi
+and Khisti 2023, "Sequential Gradient Coding for Straggler Mitigation"): a fixed slow-down factor, a shifted
 exponential delay, a two-state bursty Markov chain, and a replayed recorded trace.
 
 Profiles are strings (config and CLI), parsed by ``geoloco.profiles.parse_straggler_profile``::

@@ -1,5 +1,5 @@
 """Gradient codes: exact decoding over every straggler set, the pipelined schedule, and the
-encoder/decoder round trip (Tandon et al. 2017; Su and Li 2026)."""
+encoder/decoder round trip (Tandon et al. 2017; docs/gradient-coding.md)."""
 
 from __future__ import annotations
 
