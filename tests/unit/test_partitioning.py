@@ -7,14 +7,18 @@ corpus (geoloco.tasks.corpus): its bytes, its SHA-256 and the error a corrupt fi
 from __future__ import annotations
 
 import hashlib
+import json
 import lzma
 
 import pytest
 import torch
 
 from geoloco.config import ConfigError, InnerConfig, TaskConfig, load_config
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.tasks import TaskError, build_task, corpus
 from geoloco.tasks.lm import validation_windows
+from geoloco.worker import local_state
+from geoloco.worker.loop import Training
 from geoloco.worker.trainer import InnerTrainer
 
 CPU = torch.device("cpu")
@@ -166,6 +170,7 @@ def test_partitioning_and_val_windows_are_validated():
     with pytest.raises(ConfigError, match="task.val_batches was renamed: give task.val_windows"):
         load_config(overrides={"task.val_batches": 4})
     assert load_config().task.partitioning == "iid" and load_config().task.val_windows == 1024
+    assert load_config(overrides={"task.data": "stdlib"}).task.data == "stdlib"  # a keyword, no path
 
 
 def test_the_pinned_corpus_is_the_pinned_bytes():
@@ -202,3 +207,21 @@ def test_a_corrupt_pinned_corpus_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.undo()
     corpus.pinned_documents.cache_clear()
     assert corpus.pinned_documents()  # the shipped file reads again
+
+
+def _training(partitioning: str):
+    """A worker's real Training, built from the Join reply a coordinator would send."""
+    cfg = load_config(overrides={"workers": 2, "task.partitioning": partitioning,
+                                 **{f"task.{k}": v for k, v in CFG.items()}, "inner.steps": 2})
+    reply = pb.JoinReply(worker_id=0, session="s", run_config_json=json.dumps(cfg.to_dict()))
+    return Training.from_join(reply, CPU)
+
+
+def test_a_worker_state_saved_under_one_split_is_refused_under_another(tmp_path):
+    iid = _training("iid")
+    iid.trainer.train_partition([p.detach().clone() for p in iid.trainer.params], 1, 0)
+    path = tmp_path / "worker-0.state.pt"
+    local_state.save(path, iid, 1)
+    assert local_state.load(path, _training("iid")) == 1
+    with pytest.raises(local_state.LocalStateError, match="another split of the data"):
+        local_state.load(path, _training("contiguous"))
