@@ -173,7 +173,8 @@ class CoordinatorConfig:
     # with the token may take its slot (id, partitions); it is back if it follows again
     liveness_s: float = 60.0
     # rounds between validation losses, always measured after the broadcast; 0: only the
-    # last round; None: every round for models under 20M parameters, else at checkpoints
+    # last round; None: for models under 20M parameters as often as keeps an evaluation
+    # under 10 % of a round (every round where it is cheap), else at checkpoints
     val_every: int | None = None
 
 
