@@ -1,13 +1,13 @@
 """Stopping real runs: one Ctrl-C (SIGINT to the process group) on `geoloco local` stops
 every process within seconds without a traceback, the coordinator checkpoints the open
 round, `local` prints its summary, and `geoloco local --resume` finishes the run with
-every round once; a second Ctrl-C forces the stop and leaves no process behind."""
+every round once; a second Ctrl-C, while the clean stop waits for a held coordinator,
+forces the stop at once: no summary, no checkpoint, no process left behind."""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -74,13 +74,35 @@ def test_one_ctrl_c_checkpoints_and_local_resume_finishes_the_run(processes: Pro
     assert "resumed from checkpoint at round" in (run_dir / "logs" / "coordinator.log").read_text()
 
 
+def child_pid(parent: int, role: str) -> int:
+    """The pid of ``parent``'s child ``geoloco <role>``."""
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and role.encode() in args:
+            return int(proc.name)
+    raise AssertionError(f"no child {role} of {parent}")
+
+
 def test_a_second_ctrl_c_forces_the_stop_and_leaves_no_process(processes: Processes,
                                                                tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     local = processes.start("local", local_args(run_dir))
     wait_until(lambda: len(metrics(run_dir)) >= 1, 180, "round 0")
+    # the coordinator held (SIGSTOP): the clean stop cannot end before the second Ctrl-C,
+    # which would otherwise wait COORDINATOR_STOP_S for its checkpoint, then kill it
+    os.kill(child_pid(local.pid, "coordinator"), signal.SIGSTOP)
     os.killpg(local.pid, signal.SIGINT)
-    time.sleep(0.3)
+    wait_until(lambda: "SIGINT: stopping cleanly" in processes.log("local"), 30, "the first Ctrl-C")
     os.killpg(local.pid, signal.SIGINT)
     assert processes.wait("local", timeout=30) == 130
     wait_until(lambda: group_gone(local.pid), 10, "every process of the run to end")
+    log = processes.log("local")
+    assert "SIGINT again: stopping now" in log, log[-3000:]
+    # what only the forced stop does: no wait for the coordinator, no summary, no checkpoint
+    assert "did not stop within" not in log and f"summary of {run_dir}" not in log, log[-3000:]
+    assert "checkpointing round" not in (run_dir / "logs" / "coordinator.log").read_text()
+    assert [checkpoint.load(p).round for p in checkpoint.list_checkpoints(run_dir)] == [0]

@@ -2,7 +2,9 @@
 --state-dir each worker saves its own state every round; a worker SIGKILLed and started
 again takes its slot back once the coordinator has marked it dead, restores that state
 (error feedback, inner AdamW, data positions) and finishes on the coordinator's digest; a
-worker without saved state says that it starts from zero."""
+worker without saved state says that it starts from zero. The surviving worker is held
+(SIGSTOP) from the victim's death until the restarted worker follows the rounds, so the
+run cannot end before the restart has joined, however slow its start."""
 
 from __future__ import annotations
 
@@ -44,10 +46,15 @@ def test_a_restarted_worker_restores_its_own_state(processes: Processes, tmp_pat
     processes.kill(victim)
     wait_until(lambda: "worker 1 has had no Rounds stream" in processes.log("coordinator"), 60,
                "worker 1 to be marked dead")
-    start_worker("restarted")
+    survivor = "worker-0" if victim == "worker-1" else "worker-1"
+    with processes.paused(survivor):  # the open round waits for it: no round closes
+        start_worker("restarted")
+        wait_until(lambda: processes.log("coordinator").count("worker 1 follows rounds") >= 2, 180,
+                   "the restarted worker to follow the rounds")
+    assert len(metrics(run_dir)) < ROUNDS
 
     assert processes.wait("coordinator", timeout=240) == 0, processes.log("coordinator")[-3000:]
-    for name in ("worker-0" if victim == "worker-1" else "worker-1", "restarted"):
+    for name in (survivor, "restarted"):
         assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
     assert "restored the local state of round" in processes.log("restarted")
     _, digest = final_coordinator_digest(run_dir)
