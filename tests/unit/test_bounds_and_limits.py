@@ -35,6 +35,7 @@ def sparse(worker: int, scale: float = 1.0):
     return data, decode_frame(data, LAYOUT)
 
 
+@pytest.mark.slow
 def test_frame_magnitudes_are_the_norm_and_largest_value_of_its_values() -> None:
     _, frame = sparse(1)
     values = torch.cat([t.reshape(-1) for t in frame.to_dense()]).double()

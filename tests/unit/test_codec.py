@@ -67,6 +67,7 @@ def test_from_named_tensors():
     assert lay.numel == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", ["chunk", "tensor"])
 @pytest.mark.parametrize("coding", ["rice", "fixed"])
 def test_decoded_equals_what_error_feedback_removed(table, coding):

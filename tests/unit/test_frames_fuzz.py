@@ -3,9 +3,12 @@ a subprocess, is in tests/integration/test_benchmarks_smoke.py)."""
 
 import json
 
+import pytest
+
 from benchmarks import fuzz_frames
 
 
+@pytest.mark.slow
 def test_mutated_frames_never_crash_the_decoder():
     r = fuzz_frames.run(count=3000, seed=1)
     assert r["crashed"] == 0
