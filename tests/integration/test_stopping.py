@@ -14,6 +14,7 @@ import pytest
 from run_processes import (
     SMALL,
     Processes,
+    coordinator_port,
     final_coordinator_digest,
     metrics,
     set_flags,
@@ -77,6 +78,8 @@ def test_one_ctrl_c_checkpoints_and_local_resume_finishes_the_run(processes: Pro
 def child_pid(parent: int, role: str) -> int:
     """The pid of ``parent``'s child ``geoloco <role>``."""
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             stat = (proc / "stat").read_text()
             args = (proc / "cmdline").read_bytes().split(b"\0")
@@ -106,3 +109,32 @@ def test_a_second_ctrl_c_forces_the_stop_and_leaves_no_process(processes: Proces
     assert "did not stop within" not in log and f"summary of {run_dir}" not in log, log[-3000:]
     assert "checkpointing round" not in (run_dir / "logs" / "coordinator.log").read_text()
     assert [checkpoint.load(p).round for p in checkpoint.list_checkpoints(run_dir)] == [0]
+
+
+def test_sigterm_stops_a_coordinator_and_workers_run_directly(processes: Processes, tmp_path: Path) -> None:
+    run_dir, reports = tmp_path / "run", tmp_path / "reports"
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
+                                    "--rounds", "40", "--run-dir", str(run_dir),
+                                    *set_flags({**SMALL, "coordinator.checkpoint_every": "0"})])
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
+    for i in range(2):
+        processes.start(f"worker-{i}", ["worker", "--coordinator", address, "--device", "cpu",
+                                        "--report-dir", str(reports)])
+    wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
+    # a worker first: it stops where it is and says so; the open round waits for it
+    os.kill(processes.procs["worker-0"].pid, signal.SIGTERM)
+    assert processes.wait("worker-0", timeout=60) == 130
+    stopped = next(r for r in worker_reports(reports).values() if r["pid"] == processes.procs["worker-0"].pid)
+    assert stopped["status"] == "stopped", stopped
+    # then the coordinator: it checkpoints the open round and writes its summary
+    os.kill(processes.procs["coordinator"].pid, signal.SIGTERM)
+    assert processes.wait("coordinator", timeout=120) == 130
+    log = processes.log("coordinator")
+    done = len(metrics(run_dir))
+    assert f"SIGTERM: checkpointing round {done} and stopping" in log, log[-3000:]
+    assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1]).round == done
+    assert (run_dir / "summary.json").exists()
+    os.kill(processes.procs["worker-1"].pid, signal.SIGTERM)  # retrying its Join meanwhile
+    assert processes.wait("worker-1", timeout=60) == 130
+    for name in ("coordinator", "worker-0", "worker-1"):
+        assert "Traceback" not in processes.log(name), processes.log(name)[-3000:]

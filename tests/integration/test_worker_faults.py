@@ -167,3 +167,18 @@ def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Pat
     assert all(r["digest"] == digest and r["status"] == "finished" for r in reports.values())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # over gRPC, no launcher
     assert (summary["digest_mismatches"], summary["worker_resyncs"]) == (1, 1), summary
+
+
+def test_a_worker_on_other_data_refuses_to_start(processes: Processes, tmp_path: Path) -> None:
+    corpus, run_dir = tmp_path / "corpus.txt", tmp_path / "run"
+    words = [f"word{i} " for i in range(5000)]
+    corpus.write_text("".join(words) * 12)  # about 400 kB
+    start_coordinator(processes, run_dir, "127.0.0.1:0", 2,
+                      {"task.data": str(corpus), "coordinator.checkpoint_every": "0"})
+    address = f"127.0.0.1:{read_port(run_dir)}"  # it has read the corpus and taken its fingerprint
+    corpus.write_text("".join(reversed(words)) * 12)  # the same path, other text: this machine's data
+    processes.start("worker", ["worker", "--coordinator", address, "--device", "cpu",
+                               "--connect-timeout", "60"])
+    assert processes.wait("worker", timeout=120) == 1
+    log = processes.log("worker")
+    assert "data mismatch" in log and "has fingerprint" in log and "Traceback" not in log, log[-3000:]

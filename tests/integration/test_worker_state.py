@@ -62,3 +62,29 @@ def test_a_restarted_worker_restores_its_own_state(processes: Processes, tmp_pat
     assert finished[1]["pid"] == processes.procs["restarted"].pid
     assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values())
     assert sorted(p.name for p in state_dir.iterdir()) == ["worker-0.state.pt", "worker-1.state.pt"]
+
+
+def test_a_state_file_saved_for_other_data_or_another_model_is_ignored(processes: Processes,
+                                                                       tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+
+    def run(name: str, extra: dict[str, str]) -> str:
+        """One worker through a 2-round run on ``state_dir``; its log."""
+        run_dir = tmp_path / name
+        processes.start(f"coordinator-{name}", [
+            "coordinator", "--listen", "127.0.0.1:0", "--workers", "1", "--rounds", "2",
+            "--run-dir", str(run_dir), *set_flags({**SMALL, "coordinator.checkpoint_every": "0", **extra})])
+        processes.start(f"worker-{name}", ["worker", "--coordinator", f"127.0.0.1:{coordinator_port(run_dir)}",
+                                           "--device", "cpu", "--state-dir", str(state_dir)])
+        for proc in (f"worker-{name}", f"coordinator-{name}"):
+            assert processes.wait(proc, timeout=180) == 0, processes.log(proc)[-3000:]
+        assert (state_dir / "worker-0.state.pt").exists()
+        return processes.log(f"worker-{name}")
+
+    assert "no local state of worker 0" in run("first", {})
+    other_data = run("other-data", {"task.corpus_bytes": "250000"})
+    assert "was saved for other data: error feedback and inner AdamW state start from zero" in other_data
+    assert "restored the local state" not in other_data
+    other_model = run("other-model", {"task.seq_len": "16"})  # another position table: another layout
+    assert "was saved for another model layout: error feedback" in other_model
+    assert "restored the local state" not in other_model
