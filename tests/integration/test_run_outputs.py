@@ -20,6 +20,7 @@ import geoloco
 from geoloco.config import load_config
 from geoloco.coordinator.scalars import SCALARS, TENSORBOARD_DIR
 
+pytestmark = pytest.mark.slow
 TOKEN = "outputs"
 ROUNDS = 3
 
