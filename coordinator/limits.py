@@ -151,8 +151,8 @@ class IdleTimeout:
 
     def __init__(self, watchdog: Watchdog, cancel: Callable[[], None],
                  first_s: float | None = None, idle_s: float | None = None) -> None:
-        # the module's deadlines are read per call (not bound at import), so that a test can
-        # shorten them for a real coordinator it runs in its own process
+        # the module's deadlines are read per call, not bound at import: a test can shorten
+        # them for a real coordinator that runs in the test's own process
         self.watchdog, self._cancel = watchdog, cancel
         self.idle_s = IDLE_MESSAGE_S if idle_s is None else idle_s
         self.expired = False
