@@ -2,7 +2,7 @@
 while busy-loop processes keep every core loaded; prints failures and time per run, then
 one JSON line. The hogs are killed on any exit (the end, an error, Ctrl-C, SIGTERM).
 
-    python tests/stress.py [--runs 3] [--hogs 2] [-- PYTEST ARGS]
+    python tests/stress.py [--runs 3] [--hogs 2] [--paths tests/integration] [-- PYTEST ARGS]
 """
 
 from __future__ import annotations
@@ -34,13 +34,24 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         hog.wait()
 
 
-def run_suite(args: list[str], log: Path) -> dict:
-    """One run of the integration suite; its counts, failed test ids and wall time."""
+def run_suite(paths: list[str], args: list[str], log: Path) -> dict:
+    """One run of the tests in ``paths``; its counts, failed test ids and wall time. An
+    interrupted run gets SIGINT first, so that its fixtures end the processes they started."""
     started = time.monotonic()
     with open(log, "w") as out:
-        code = subprocess.run([sys.executable, "-m", "pytest", "tests/integration", "-q", "-rfE",
-                               "-p", "no:cacheprovider", *args], cwd=ROOT, stdout=out,
-                              stderr=subprocess.STDOUT).returncode
+        pytest = subprocess.Popen([sys.executable, "-m", "pytest", *paths, "-q", "-rfE",
+                                   "-p", "no:cacheprovider", *args], cwd=ROOT, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = pytest.wait()
+        finally:
+            if pytest.poll() is None:
+                os.killpg(pytest.pid, signal.SIGINT)
+                try:
+                    pytest.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(pytest.pid, signal.SIGKILL)
+                    pytest.wait()
     text = log.read_text(errors="replace")
     last = text.strip().splitlines()[-1] if text.strip() else ""
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy-loop processes")
     p.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "stress")
+    p.add_argument("--paths", nargs="+", default=["tests/integration"], help="what pytest runs")
     args = p.parse_args(own)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally below
@@ -67,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         for i in range(args.runs):
-            runs.append(run_suite(extra, args.log_dir / f"run-{i + 1}.log"))
+            runs.append(run_suite(args.paths, extra, args.log_dir / f"run-{i + 1}.log"))
             r = runs[-1]
             print(f"run {i + 1}/{args.runs}: {r['failed']} failed, {r['passed']} passed, "
                   f"{r['skipped']} skipped in {r['seconds']:.0f} s {' '.join(r['failed_tests'])}",
