@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 RUN_DIR ?= runs/demo
 
-.PHONY: venv demo test lint bench protos images clean
+.PHONY: venv demo check test test-stress lint bench protos images clean
 
 venv: $(STAMP)
 
@@ -20,9 +20,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: venv
 	$(BIN)/geoloco local --workers 4 --wan 20mbit/50ms --run-dir $(RUN_DIR) --overwrite
 
+# the inner loop: lint and the unit tests not marked slow (no processes, no long runs)
+check: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest tests/unit -m "not slow" -q
+
+# everything: lint, unit, integration (real processes), Docker (skipped without an engine)
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# the flake hunt: the integration suite 3 times in a row with every core busy-looping
+test-stress: venv
+	$(BIN)/python tests/stress.py --runs 3
 
 lint: venv
 	$(BIN)/ruff check .

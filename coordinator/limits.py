@@ -150,10 +150,13 @@ class IdleTimeout:
     grpc.RpcError), and ``expired`` tells the reason apart."""
 
     def __init__(self, watchdog: Watchdog, cancel: Callable[[], None],
-                 first_s: float = FIRST_MESSAGE_S, idle_s: float = IDLE_MESSAGE_S) -> None:
-        self.watchdog, self._cancel, self.idle_s = watchdog, cancel, idle_s
+                 first_s: float | None = None, idle_s: float | None = None) -> None:
+        # the module's deadlines are read per call, not bound at import: a test can shorten
+        # them for a real coordinator that runs in the test's own process
+        self.watchdog, self._cancel = watchdog, cancel
+        self.idle_s = IDLE_MESSAGE_S if idle_s is None else idle_s
         self.expired = False
-        self._deadline = watchdog.arm(first_s, self._expire)
+        self._deadline = watchdog.arm(FIRST_MESSAGE_S if first_s is None else first_s, self._expire)
 
     def _expire(self) -> None:
         self.expired = True

@@ -169,8 +169,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         except grpc.RpcError:
             first, reason = None, ("no PushHeader within the first-message deadline"
                                    if timeout.expired else "the stream broke before its PushHeader")
-        else:
-            reason = "a push must start with a PushHeader message"
+        else:  # a call the deadline cancelled may also read as a stream that ended
+            reason = ("no PushHeader within the first-message deadline" if first is None and timeout.expired
+                      else "a push must start with a PushHeader message")
         if first is not None and first.HasField("header"):
             h = first.header
             if h.worker_id == worker and h.session == session:
@@ -232,6 +233,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             why = "no data within the idle deadline" if timeout.expired else "client cancelled or connection lost"
             raise FrameError(f"stream broke after {got} of {h.total_bytes} bytes ({why}: "
                              f"{exc.code() if hasattr(exc, 'code') else exc})") from None
+        if got < h.total_bytes and timeout.expired:  # cancelled: may read as a stream that ended
+            raise FrameError(f"stream broke after {got} of {h.total_bytes} bytes (no data within the "
+                             "idle deadline)")
         if got < h.total_bytes:
             raise FrameError(f"truncated frame: got {got} of {h.total_bytes} bytes")
         return b"".join(parts)

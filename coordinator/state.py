@@ -277,10 +277,12 @@ class CoordinatorState:
             raise
 
     def wait_finish_delivered(self, limit_s: float) -> None:
-        """Until every live worker has the finished run's last result, for ``limit_s``."""
+        """Until every live worker has the finished run's last result, for ``limit_s``; a
+        worker without a Rounds stream for liveness_s is marked dead here too, not waited for."""
         deadline = time.monotonic() + limit_s
         with self.lock:
             while not self.stopping and time.monotonic() < deadline:
+                self.check_liveness()
                 live = {i for i, r in self.registry.records.items() if r.live}
                 if live <= self.delivered_finish:
                     return

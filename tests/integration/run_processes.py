@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,18 @@ class Processes:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{name} still running after {timeout}s; log:\n{self.log(name)[-3000:]}") from None
 
+    @contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """``name``'s process group stopped (SIGSTOP) for the block, then continued: the
+        process does nothing meanwhile, so the test can look at or change what it writes."""
+        proc = self.procs[name]
+        os.killpg(proc.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: stopped(proc.pid), 30, f"{name} to stop", poll=0.005)
+            yield
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+
     def kill(self, name: str) -> None:
         proc = self.procs[name]
         if proc.poll() is None:
@@ -78,6 +91,17 @@ class Processes:
     def cleanup(self) -> None:
         for name in list(self.procs):
             self.kill(name)
+
+
+def stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (state T in /proc)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:  # a thread that just ended
+            continue
+    return all(state in "Tt" for state in states)
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.1) -> None:

@@ -1,5 +1,5 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift) and the security ones (fuzz_rpc, scale) run end to end in their ``--quick`` form
+ef_drift), the security ones (fuzz_rpc, scale) and the codec's run end to end in their ``--quick`` form
 and end with one JSON line holding the figures they promise. Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
 (three real local runs), the in-process ones 10-25 s each."""
@@ -63,3 +63,16 @@ def test_security_benchmarks_quick_run_ends_with_json_line(name: str) -> None:
     assert SECURITY_KEYS[name] <= set(result), result
     if name == "fuzz_rpc":
         assert result["crashed"] == 0 and result["invalid_accepted"] == 0 and result["worker_served"]
+
+
+CODEC_KEYS = {"bits_per_param", "ratio_vs_fp32", "ratio_vs_bf16", "encode_gbps", "decode_apply_gbps",
+              "ef_pass_gbps", "encode_vs_ef_pass", "decode_apply_vs_ef_pass",
+              "rel_error_vs_exact_topk", "entropy_bound_bits_per_index"}
+
+
+def test_codec_benchmark_quick_prints_json_with_the_issue_keys() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.codec", "--quick"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result) == CODEC_KEYS
+    assert all(isinstance(v, (int, float)) for v in result.values())

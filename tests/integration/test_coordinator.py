@@ -5,6 +5,7 @@ rounds reproduce the header digest, deadlines close rounds, checkpoints resume."
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -15,11 +16,13 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from run_processes import wait_until
 
 from geoloco import replica as state
 from geoloco import transport as wire
 from geoloco.compression import Compressor, Layout, decode_frame, encode_dense
 from geoloco.config import load_config
+from geoloco.coordinator import limits, service
 from geoloco.coordinator.app import Coordinator
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
@@ -366,3 +369,120 @@ def test_diloco_broadcasts_one_dense_nesterov_frame(tmp_path, workers):
         for j, (p0, p1) in enumerate(zip(before, params, strict=True)):
             mean = (deltas[0][j] + deltas[1][j]) / 2
             torch.testing.assert_close(p1 - p0, -lr * (1 + mu) * mean, rtol=1e-4, atol=1e-7)
+
+
+# ---------------------------------------------------- the servicer's limits, for a joined caller
+# (docs/security.md, "Hostile clients"): a caller with a valid session gets past the
+# authentication, so these reach the stream slots, the Push deadlines and the chunk bounds.
+
+
+class WarningLines(logging.Handler):
+    """The coordinator's warning lines while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def wait_for(self, text: str, count: int = 1) -> None:
+        """Until ``count`` lines hold ``text`` (a call's end reaches the caller before the
+        coordinator logs why)."""
+        wait_until(lambda: sum(text in x for x in self.lines) >= count, RPC_TIMEOUT_S, repr(text))
+        assert sum(text in x for x in self.lines) == count, self.lines
+
+
+@pytest.fixture
+def warnings_logged() -> Iterator[WarningLines]:
+    handler = WarningLines()
+    logger = logging.getLogger("geoloco.coordinator")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def held_push(w: RawWorker, release: threading.Event, *first: pb.PushChunk) -> grpc.Future:
+    """A Push of ``w`` that sends ``first`` and then nothing until ``release``."""
+    def messages() -> Iterator[pb.PushChunk]:
+        yield from first
+        release.wait(RPC_TIMEOUT_S)
+
+    return w.stub.Push.future(messages(), timeout=RPC_TIMEOUT_S, metadata=wire.caller_metadata(w.id, w.session))
+
+
+def ended(calls: list[grpc.Future]) -> list[str]:
+    """Each call's status code, once every one has ended."""
+    for call in calls:
+        call.exception(timeout=RPC_TIMEOUT_S)
+    return [call.code().name for call in calls]
+
+
+def test_a_joined_worker_gets_its_stream_slots_and_an_idle_push_is_cut_at_the_deadline(
+        tmp_path, workers, monkeypatch, warnings_logged):
+    monkeypatch.setattr(limits, "FIRST_MESSAGE_S", 1.0)
+    cfg = make_config()
+    release = threading.Event()
+    try:
+        with running(cfg, tmp_path / "run") as coordinator:
+            a, _ = joined(coordinator, workers, 2)
+            # one more than the slots: whichever comes last is refused at once, whatever the order
+            calls = [held_push(a, release) for _ in range(limits.STREAMS_PER_WORKER + 1)]
+            codes = ended(calls)
+            assert sorted(codes) == ["CANCELLED"] * limits.STREAMS_PER_WORKER + ["RESOURCE_EXHAUSTED"]
+            refused = calls[codes.index("RESOURCE_EXHAUSTED")]
+            assert f"already has {limits.STREAMS_PER_WORKER} Push calls open" in refused.details()
+            warnings_logged.wait_for("no PushHeader within the first-message deadline",
+                                     limits.STREAMS_PER_WORKER)
+            # the slots came back, and nothing of the cut calls is in round 0
+            assert a.push(0, sparse_frame(cfg, coordinator.layout, a.id, 0)).accepted
+    finally:
+        release.set()
+
+
+def test_a_push_that_stops_sending_is_cut_at_the_idle_deadline(tmp_path, workers, monkeypatch,
+                                                               warnings_logged):
+    monkeypatch.setattr(limits, "IDLE_MESSAGE_S", 1.0)
+    cfg = make_config()
+    release = threading.Event()
+    try:
+        with running(cfg, tmp_path / "run") as coordinator:
+            a, _ = joined(coordinator, workers, 2)
+            frame = sparse_frame(cfg, coordinator.layout, a.id, 0)
+            header = pb.PushHeader(worker_id=a.id, session=a.session, round=0, total_bytes=len(frame))
+            call = held_push(a, release, pb.PushChunk(header=header), pb.PushChunk(data=frame[:100]))
+            assert ended([call]) == ["CANCELLED"]
+            warnings_logged.wait_for(f"stream broke after 100 of {len(frame)} bytes (no data within "
+                                     "the idle deadline")
+            assert a.push(0, frame).accepted
+    finally:
+        release.set()
+
+
+def pushed(w: RawWorker, header: pb.PushHeader, *parts: pb.PushChunk) -> pb.PushReply:
+    return w.stub.Push(iter([pb.PushChunk(header=header), *parts]), timeout=RPC_TIMEOUT_S,
+                       metadata=wire.caller_metadata(w.id, w.session))
+
+
+def test_chunk_bounds_refuse_a_joined_workers_push_and_change_nothing(tmp_path, workers):
+    cfg = make_config()
+    with running(cfg, tmp_path / "run") as coordinator:
+        a, _ = joined(coordinator, workers, 2)
+        frame = sparse_frame(cfg, coordinator.layout, a.id, 0)
+        largest = coordinator.layout.numel * 4 + service.FRAME_OVERHEAD_BYTES
+        for total in (0, largest + 1):
+            rejected(a.push(0, frame, total_bytes=total), f"total_bytes {total} is outside 1..{largest}")
+        rejected(a.push(0, frame, total_bytes=len(frame) - 1), f"longer than its total_bytes {len(frame) - 1}")
+
+        def header() -> pb.PushHeader:
+            return pb.PushHeader(worker_id=a.id, session=a.session, round=0, total_bytes=len(frame))
+
+        most = -(-len(frame) // wire.CHUNK_BYTES) + service.EXTRA_CHUNKS
+        one_byte = [pb.PushChunk(data=frame[i:i + 1]) for i in range(most + 1)]
+        rejected(pushed(a, header(), *one_byte), f"more than {most} chunks")
+        rejected(pushed(a, header(), pb.PushChunk(data=b"")), "an empty data chunk")
+        rejected(pushed(a, header(), pb.PushChunk(data=frame[:10]), pb.PushChunk(header=header())),
+                 "a second PushHeader")
+        assert a.push(0, frame).accepted  # none of the above took a's place in round 0

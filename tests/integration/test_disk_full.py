@@ -1,11 +1,17 @@
 """Disk full on a real coordinator, its run dir on a small tmpfs the test mounts: a
 checkpoint that does not fit is one clear error line and leaves no partial folder, the
-rounds go on, and once there is room again the next checkpoint is written."""
+rounds go on, and once there is room again the next checkpoint is written. The disk is
+filled, and checked for partial folders, only while the coordinator is stopped (SIGSTOP)
+between two checkpoints: nothing of it is being written then."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,6 +42,40 @@ def error_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if " ERROR " in line]
 
 
+# what the coordinator logs once a checkpoint is written, or once a failed one is cleaned up
+CHECKPOINT_DONE = re.compile(r"checkpoint \S+ \(round (\d+)\)|checkpoint of round (\d+) not written")
+
+
+def last_checkpoint_done(log: str) -> int:
+    """The round of the last checkpoint the coordinator finished, written or not; -1 if none."""
+    found = CHECKPOINT_DONE.findall(log)
+    return int(found[-1][0] or found[-1][1]) if found else -1
+
+
+@contextmanager
+def between_checkpoints(processes: Processes, run_dir: Path) -> Iterator[None]:
+    """The coordinator stopped at a moment it writes nothing: its last round's line is in
+    metrics.jsonl and the checkpoint after that round is finished (the next write is the
+    next round's line, once that round closes). Each try that lands elsewhere continues it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with processes.paused("coordinator"):
+            if last_checkpoint_done(processes.log("coordinator")) == len(metrics(run_dir)):
+                yield
+                return
+        time.sleep(0.05)
+    raise AssertionError("the coordinator was never found between two checkpoints")
+
+
+def fill(disk: Path, leave: int) -> Path:
+    """A file that takes all but ``leave`` bytes of ``disk``."""
+    filler = disk / "filler"
+    free = os.statvfs(disk)
+    with open(filler, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, free.f_bavail * free.f_frsize - leave)
+    return filler
+
+
 def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes, small_disk: Path,
                                                             tmp_path: Path) -> None:
     run_dir = small_disk / "run"
@@ -47,15 +87,15 @@ def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes
         processes.start(f"worker-{i}", ["worker", "--coordinator", f"127.0.0.1:{port}",
                                         "--device", "cpu", "--report-dir", str(tmp_path / "reports")])
     wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
-    filler = small_disk / "filler"
-    with open(filler, "wb") as f:
-        os.posix_fallocate(f.fileno(), 0, os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
-                           - MARGIN_BYTES)
+    with between_checkpoints(processes, run_dir):
+        filler = fill(small_disk, MARGIN_BYTES)
     wait_until(lambda: error_lines(processes.log("coordinator")), 60, "a checkpoint to fail")
     full_at = len(metrics(run_dir))
     wait_until(lambda: len(metrics(run_dir)) >= full_at + 2, 60, "two more rounds on the full disk")
-    assert not [p for p in (run_dir / "checkpoints").iterdir() if ".tmp" in p.name]
-    filler.unlink()
+    with between_checkpoints(processes, run_dir):
+        assert len(error_lines(processes.log("coordinator"))) >= 2
+        assert not [p.name for p in (run_dir / "checkpoints").iterdir() if ".tmp" in p.name]
+        filler.unlink()
 
     assert processes.wait("coordinator", timeout=180) == 0, processes.log("coordinator")[-3000:]
     log = processes.log("coordinator")

@@ -5,15 +5,14 @@ killed writes left is removed; with no readable checkpoint `--resume` refuses to
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 from run_processes import (
     SMALL,
     Processes,
+    coordinator_port,
     final_coordinator_digest,
-    free_port,
     metrics,
     set_flags,
     wait_until,
@@ -35,8 +34,8 @@ def coordinator_args(run_dir: Path, listen: str, rounds: int, *extra: str) -> li
 def test_killed_before_the_first_checkpoint_resumes_and_every_round_is_recorded_once(
         processes: Processes, tmp_path: Path) -> None:
     run_dir, reports, rounds = tmp_path / "run", tmp_path / "reports", 4
-    listen = f"127.0.0.1:{free_port()}"
-    processes.start("coordinator", coordinator_args(run_dir, listen, rounds))
+    processes.start("coordinator", coordinator_args(run_dir, "127.0.0.1:0", rounds))
+    listen = f"127.0.0.1:{coordinator_port(run_dir)}"  # the port it bound: the resume binds it again
     for i in range(WORKERS):
         processes.start(f"worker-{i}", ["worker", "--coordinator", listen, "--device", "cpu",
                                         "--connect-timeout", "90", "--report-dir", str(reports)])
@@ -45,7 +44,8 @@ def test_killed_before_the_first_checkpoint_resumes_and_every_round_is_recorded_
     assert [checkpoint.load(p).round for p in checkpoint.list_checkpoints(run_dir)] == [0]
     left_behind = run_dir / "checkpoints" / "round_00000005.tmp4242"  # a write that was cut off
     left_behind.mkdir()
-    time.sleep(1.0)
+    wait_until(lambda: all("connection lost" in processes.log(f"worker-{i}") for i in range(WORKERS)),
+               120, "every worker to see its stream break")
     processes.start("coordinator-2", coordinator_args(run_dir, listen, rounds, "--resume"))
 
     assert processes.wait("coordinator-2", timeout=180) == 0, processes.log("coordinator-2")[-3000:]

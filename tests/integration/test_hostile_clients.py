@@ -3,12 +3,16 @@ a hostile client holding a certificate of the run, but not the token, holds 200 
 streams open and sends 1,000 wrong-token Joins over 10 s. The health service must keep
 answering, every round must close with both workers, the coordinator's memory must stay
 put; and nothing a user can read (ps, config.json, checkpoints, logs) holds the token or a
-session. One run (about a minute) serves every test here."""
+session. The run outlasts the attack by construction: once two rounds have closed under
+attack, worker 1 is held (SIGSTOP) until the attacker exits, so the open round waits for it.
+One run (about a minute) serves every test here."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import stat
 import subprocess
 import sys
@@ -20,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from run_processes import SMALL, Processes, free_port, metrics, set_flags, wait_until
+from run_processes import SMALL, Processes, coordinator_port, metrics, set_flags, wait_until
 
 from geoloco import certs
 from geoloco.config import TlsConfig
@@ -28,11 +32,15 @@ from geoloco.tls import channel_security
 from geoloco.transport import open_channel
 from geoloco.worker.container import join_coordinator
 
+pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
-ROUNDS = 60  # about 0.5 s each here: the run outlasts the attack
+ROUNDS = 12  # the rounds that close under attack, and a few after worker 1 is continued
+ATTACK_ROUNDS = 2  # rounds that must close under attack before worker 1 is held
 STREAMS, JOINS, ATTACK_S = 200, 1000, 10.0
 HEALTH_EVERY_S = 0.02
-HEALTH_P99_S = 0.1
+# a wide bound: starved, the health service would time out (5 s); the figure is printed
+# (31.8 ms measured at p99 on 2 loaded cores)
+HEALTH_P99_S = 1.0
 RSS_GROWTH_MB = 200  # the attack may cost the coordinator this much memory at most
 RUN = {**SMALL, "inner.steps": "6", "coordinator.checkpoint_every": "20", "coordinator.deadline_s": "120"}
 
@@ -91,12 +99,11 @@ def scenario(tmp: Path) -> Observed:
     certs.make_run_credentials(pki, None, 3)  # worker-2's certificate is the attacker's
     token = (pki / certs.TOKEN_FILE).read_text().strip()
     processes = Processes(tmp / "logs")
-    port = free_port()
-    address = f"127.0.0.1:{port}"
     try:
         coordinator = processes.start("coordinator", [
-            "coordinator", "--listen", address, "--workers", "2", "--rounds", str(ROUNDS),
+            "coordinator", "--listen", "127.0.0.1:0", "--workers", "2", "--rounds", str(ROUNDS),
             "--run-dir", str(run_dir), *tls_flags(pki, "coordinator"), *set_flags(RUN)])
+        address = f"127.0.0.1:{coordinator_port(run_dir)}"
         identities = []
         for i in range(2):  # as the container's root step does: join, write the identity 0600
             ident = join_coordinator(address, token, 120, channel_security(tls(pki, f"worker-{i}"), address))
@@ -113,21 +120,33 @@ def scenario(tmp: Path) -> Observed:
         health = threading.Thread(target=watch_health, args=(
             address, channel_security(tls(pki, "coordinator"), address), stop, seen), daemon=True)
         health.start()
-        first = len(metrics(run_dir))
+        worker_1 = processes.procs["worker-1"].pid
+        os.killpg(worker_1, signal.SIGSTOP)  # until the attack is on: no round closes before it
         attacker = subprocess.Popen(
             [sys.executable, str(HERE / "hostile_client.py"), address, "--ca", str(pki / certs.CA_CERT),
              "--cert", str(pki / certs.worker_cert(2)), "--key", str(pki / certs.worker_key(2)),
              "--streams", str(STREAMS), "--joins", str(JOINS), "--seconds", str(ATTACK_S)],
             stdout=subprocess.PIPE, text=True)
+        wait_until(lambda: "refused: " in processes.log("coordinator") or attacker.poll() is not None,
+                   120, "the attack to start")
+        first = len(metrics(run_dir))
+        os.killpg(worker_1, signal.SIGCONT)
+        polls, held = 0, False
         while attacker.poll() is None:
             assert coordinator.poll() is None, "the run ended before the attack"
+            if not held and len(metrics(run_dir)) >= first + ATTACK_ROUNDS:
+                os.killpg(worker_1, signal.SIGSTOP)  # the open round waits for it until the attack ends
+                seen.attack_rounds = [m["round"] for m in metrics(run_dir)[first:]]
+                held = True
             seen.rss_peak_mb = max(seen.rss_peak_mb, rss_mb(coordinator.pid))
-            seen.ps.append(subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
-            time.sleep(0.5)
+            if polls % 5 == 0:
+                seen.ps.append(subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout)
+            polls += 1
+            time.sleep(0.1)
+        os.killpg(worker_1, signal.SIGCONT)
         stop.set()
         health.join()
         seen.attack = json.loads(attacker.stdout.read())
-        seen.attack_rounds = [m["round"] for m in metrics(run_dir)[first - 1:]]
         for name in ("worker-0", "worker-1", "coordinator"):
             assert processes.wait(name, timeout=300) == 0, processes.log(name)[-3000:]
         seen.logs = {name: processes.log(name) for name in ("coordinator", "worker-0", "worker-1")}
@@ -167,7 +186,7 @@ def test_every_round_closes_with_both_workers_and_memory_stays_bounded(run: Obse
     assert [m["round"] for m in lines] == list(range(ROUNDS))
     for m in lines:
         assert m["arrived"] == [0, 1] and m["close_reason"] == "all arrived", m
-    assert len(run.attack_rounds) >= 2, "no round closed during the attack"
+    assert len(run.attack_rounds) >= ATTACK_ROUNDS, "no round closed during the attack"
     assert run.rss_peak_mb - run.rss_before_mb < RSS_GROWTH_MB
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from run_processes import SMALL, Processes, free_port, set_flags, wait_until
+from run_processes import SMALL, Processes, coordinator_port, set_flags
 
 pytestmark = pytest.mark.slow
 
@@ -18,10 +18,8 @@ def coordinator_args(run_dir: Path, listen: str) -> list[str]:
 
 
 def test_a_second_coordinator_on_a_busy_port_exits_non_zero(processes: Processes, tmp_path: Path) -> None:
-    listen = f"127.0.0.1:{free_port()}"
-    processes.start("first", coordinator_args(tmp_path / "first", listen))
-    port_file = tmp_path / "first" / "coordinator.port"
-    wait_until(port_file.exists, 90, "the first coordinator to listen")
+    processes.start("first", coordinator_args(tmp_path / "first", "127.0.0.1:0"))
+    listen = f"127.0.0.1:{coordinator_port(tmp_path / 'first')}"
     processes.start("second", coordinator_args(tmp_path / "second", listen))
     assert processes.wait("second", timeout=90) == 1
     log = processes.log("second")

@@ -16,7 +16,7 @@ from run_processes import SMALL, set_flags
 
 import geoloco
 from geoloco.config import RunConfig, validate
-from geoloco.report import RUN_COLORS
+from geoloco.report import DPI, FIGSIZE, RUN_COLORS
 from geoloco.schedule import lr_at
 
 pytestmark = pytest.mark.slow
@@ -97,6 +97,22 @@ def _pixels_of(png: Path, color: str) -> int:
     return int((np.abs(image - rgb).max(axis=-1) < 0.08).sum())
 
 
+def _empty_png_bytes() -> int:
+    """The size of a PNG with labelled axes and nothing drawn, at the report's size."""
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    ax.set(title="title", xlabel="x", ylabel="y")
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=DPI, format="png")
+    plt.close(fig)
+    return len(buf.getvalue())
+
+
 def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, tmp_path) -> None:
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "geoloco.cli", "report", str(sparseloco_run[0]), str(diloco_run),
@@ -106,10 +122,13 @@ def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, 
     assert pngs == sorted(["loss-vs-time.png", "loss-vs-bytes.png",
                            *(f"{run}-{kind}.png" for run in ("sparseloco", "diloco")
                              for kind in ("timeline", "bytes", "round-time"))])
-    assert all((out / p).stat().st_size > 8_000 for p in pngs)
+    empty = _empty_png_bytes()  # about 7.4 kB at 640 x 360
+    assert all((out / p).stat().st_size > empty for p in pngs), empty
     for plot in ("loss-vs-time.png", "loss-vs-bytes.png"):
         for color in RUN_COLORS[:2]:  # a line of each run, not only its legend entry
-            assert _pixels_of(out / plot, color) > 250, (plot, color)  # its legend alone: ~100
+            # a legend entry alone is 40 pixels of its colour at FIGSIZE and DPI; a 2-point
+            # line (2.2 px at 80 dpi) across the 500-px-wide axes is about 1,100
+            assert _pixels_of(out / plot, color) > 250, (plot, color)
     text = (out / "report.md").read_text()
     assert "| sparseloco | sparseloco | 3 |" in text and "| diloco | diloco | 3 |" in text
     for p in pngs:

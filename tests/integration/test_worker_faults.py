@@ -8,6 +8,8 @@ the state again and finish in step)."""
 from __future__ import annotations
 
 import json
+import re
+import socket
 import time
 from pathlib import Path
 
@@ -17,7 +19,6 @@ from run_processes import (
     TOKEN,
     Processes,
     final_coordinator_digest,
-    free_port,
     metrics,
     run_worker_threads,
     set_flags,
@@ -28,6 +29,7 @@ from run_processes import (
 from geoloco.config import load_config
 from geoloco.coordinator.app import Coordinator
 from geoloco.replica import param_digest
+from geoloco.transport import BACKOFF_START_S
 from geoloco.worker.faults import Fault, FaultySession
 from geoloco.worker.loop import Worker
 from geoloco.worker.session import Session
@@ -67,17 +69,26 @@ def read_port(run_dir: Path) -> int:
 
 
 def test_unreachable_coordinator_retries_then_exits_non_zero(processes: Processes) -> None:
-    address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    start = time.monotonic()
-    processes.start("worker", ["worker", "--coordinator", address, "--connect-timeout", "3"])
-    code = processes.wait("worker", timeout=60)
+    with socket.socket() as bound:  # bound, never listening: every connection is refused
+        bound.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{bound.getsockname()[1]}"
+        start = time.monotonic()
+        processes.start("worker", ["worker", "--coordinator", address, "--connect-timeout", "3"])
+        code = processes.wait("worker", timeout=60)
     elapsed = time.monotonic() - start
     log = processes.log("worker")
     assert code != 0
-    attempts = [line for line in log.splitlines() if "join attempt" in line]
-    assert len(attempts) >= 3, log  # 0.5 s, 1 s, 2 s back-off inside 3 s
-    assert all(address in line for line in attempts)
-    assert "unreachable" in log.splitlines()[-1] and address in log.splitlines()[-1], log
+    attempts = [(int(n), float(wait)) for n, wait in
+                re.findall(r"join attempt (\d+) to \S+ failed .*; retrying in ([0-9.]+)s", log)]
+    assert all(address in line for line in log.splitlines() if "join attempt" in line)
+    # the back-off schedule, whatever each attempt costs: 0.5 s doubling, the last wait cut
+    # to the time left of the 3 s, then one more attempt that fails and ends the worker
+    assert [n for n, _ in attempts] == list(range(1, len(attempts) + 1)) and attempts, log
+    scheduled = [BACKOFF_START_S * 2 ** i for i in range(len(attempts))]
+    assert [w for _, w in attempts[:-1]] == scheduled[:-1], log
+    assert attempts[-1][1] <= scheduled[-1] and sum(w for _, w in attempts) <= 3.0 + 0.05, log
+    last = log.splitlines()[-1]
+    assert "unreachable" in last and address in last and f"after {len(attempts) + 1} attempts" in last, log
     assert elapsed < 40
 
 
@@ -113,13 +124,15 @@ def test_restarted_coordinator_with_resume_lets_workers_reclaim_and_finish(
     processes: Processes, tmp_path: Path
 ) -> None:
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
-    rounds, listen = 6, f"127.0.0.1:{free_port()}"
+    rounds = 6
     extra = {"coordinator.checkpoint_every": "1", "coordinator.deadline_s": "60"}
-    start_coordinator(processes, run_dir, listen, rounds, extra)
+    start_coordinator(processes, run_dir, "127.0.0.1:0", rounds, extra)
+    listen = f"127.0.0.1:{read_port(run_dir)}"  # the port it bound: the restart binds it again
     start_workers(processes, listen, reports)
     wait_until(lambda: len(metrics(run_dir)) >= 2, 120, "two rounds to close")
     processes.kill("coordinator")
-    time.sleep(1.0)  # the workers see their streams break and start retrying
+    wait_until(lambda: all("connection lost" in processes.log(f"worker-{i}") for i in range(WORKERS)),
+               120, "every worker to see its stream break")
     start_coordinator(processes, run_dir, listen, rounds, extra, resume=True, name="coordinator-2")
 
     assert processes.wait("coordinator-2", timeout=120) == 0, processes.log("coordinator-2")[-3000:]
@@ -154,3 +167,18 @@ def test_digest_mismatch_makes_the_worker_fetch_state_and_continue(tmp_path: Pat
     assert all(r["digest"] == digest and r["status"] == "finished" for r in reports.values())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # over gRPC, no launcher
     assert (summary["digest_mismatches"], summary["worker_resyncs"]) == (1, 1), summary
+
+
+def test_a_worker_on_other_data_refuses_to_start(processes: Processes, tmp_path: Path) -> None:
+    corpus, run_dir = tmp_path / "corpus.txt", tmp_path / "run"
+    words = [f"word{i} " for i in range(5000)]
+    corpus.write_text("".join(words) * 12)  # about 400 kB
+    start_coordinator(processes, run_dir, "127.0.0.1:0", 2,
+                      {"task.data": str(corpus), "coordinator.checkpoint_every": "0"})
+    address = f"127.0.0.1:{read_port(run_dir)}"  # it has read the corpus and taken its fingerprint
+    corpus.write_text("".join(reversed(words)) * 12)  # the same path, other text: this machine's data
+    processes.start("worker", ["worker", "--coordinator", address, "--device", "cpu",
+                               "--connect-timeout", "60"])
+    assert processes.wait("worker", timeout=120) == 1
+    log = processes.log("worker")
+    assert "data mismatch" in log and "has fingerprint" in log and "Traceback" not in log, log[-3000:]

@@ -39,6 +39,7 @@ def test_help_of_each_subcommand_lists_its_flags(command: str, capsys: pytest.Ca
     assert "--token " not in out and "--token\n" not in out  # a secret is never a flag
 
 
+@pytest.mark.slow
 def test_console_script_top_level_help_names_the_subcommands() -> None:
     proc = subprocess.run([sys.executable, "-m", "geoloco.cli", "--help"], capture_output=True,
                           text=True, timeout=60)

@@ -67,6 +67,7 @@ def test_from_named_tensors():
     assert lay.numel == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("table", ["chunk", "tensor"])
 @pytest.mark.parametrize("coding", ["rice", "fixed"])
 def test_decoded_equals_what_error_feedback_removed(table, coding):
@@ -404,8 +405,9 @@ def test_decode_apply_puts_everything_back_when_a_later_chunk_is_bad():
     last chunk, or at the segment's end) must leave the params bit for bit as before, and
     raise the error decode_frame raises."""
     lay = Layout([TensorSpec("w", (512, 512), torch.float32)])  # 64 chunks: one segment
-    frame = Compressor(lay).compress([torch.randn(512, 512)], round=0, sender=0)
-    start = on_huge_pages([torch.randn(512, 512)])
+    g = torch.Generator().manual_seed(0)  # the count below depends on the data: fixed data
+    frame = Compressor(lay).compress([torch.randn(512, 512, generator=g)], round=0, sender=0)
+    start = on_huge_pages([torch.randn(512, 512, generator=g)])
     late = 0
     for off in range(len(frame) - 5, len(frame) - 60, -1):  # the index section's last bytes
         bad = bytearray(frame)

@@ -107,6 +107,7 @@ def _reference(runs: dict, case, table: str, coding: str):
     return runs[key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", OTHERS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_same_bytes_and_error_feedback_round_after_round(backend, case, reference_runs):
@@ -280,6 +281,7 @@ def _outcome(data: bytes, layout: Layout, backend: str):
     return [i.tolist() for i in frame.indices], [v.tolist() for v in frame.values]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", OTHERS)
 def test_the_same_verdict_on_damaged_frames(backend):
     """Bit flips, byte overwrites and zeroed runs in the sections (checksum repaired): each backend
@@ -312,6 +314,7 @@ def test_the_same_verdict_on_damaged_frames(backend):
     assert min(verdicts.values()) > 50  # both outcomes are exercised
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", OTHERS)
 def test_the_same_verdict_on_long_runs_of_zeros_at_segment_ends(backend):
     """Zeroed bytes just before the end of each segment's indices: unary runs too long for
@@ -336,6 +339,7 @@ def test_the_same_verdict_on_long_runs_of_zeros_at_segment_ends(backend):
     assert any("unary run" in m for m in messages) and any("ends inside chunk" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_the_numba_twins_of_the_layout_formulas_equal_the_python_ones():
     """layout's formulas run as Python and, compiled by numba, inside the kernels."""
     if "numba" not in BACKENDS:

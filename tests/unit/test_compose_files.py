@@ -1,11 +1,12 @@
 """docker-compose.yml, its GPU override and docker/cluster.toml: structure checks that need
-no Docker engine, plus `docker-compose config` (v1) and `docker compose config` (v2) where
-those binaries exist. The GPU override cannot run on machines without GPUs; this keeps it
+no Docker engine, plus `docker-compose config`, which checks them against the Compose
+Specification's schema. The GPU override cannot run on machines without GPUs; this keeps it
 valid."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -112,20 +113,16 @@ def _config(cmd: list[str], files: list[Path]) -> subprocess.CompletedProcess[st
 
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU]], ids=["base", "gpu"])
-def test_docker_compose_v1_accepts(files) -> None:
+def test_docker_compose_accepts(files) -> None:
+    """`docker-compose config` (Debian bookworm's 1.29, which .ci/run installs) checks the
+    files against the Compose Specification's schema (its compose_spec.json), the format
+    compose v2 reads too. Compose v2 itself is neither in bookworm nor on PyPI, so CI cannot
+    run it; a missing docker-compose is a failure under GEOLOCO_REQUIRE_DOCKER=1."""
     if not shutil.which("docker-compose"):
-        pytest.skip("docker-compose (v1) is not installed")
+        if os.environ.get("GEOLOCO_REQUIRE_DOCKER") == "1":
+            pytest.fail("GEOLOCO_REQUIRE_DOCKER=1 but docker-compose is not installed (apt-get install docker-compose)")
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
     result = _config(["docker-compose"], files)
-    assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, GPU]], ids=["base", "gpu"])
-def test_docker_compose_v2_accepts(files) -> None:
-    docker = shutil.which("docker")
-    if not docker or subprocess.run([docker, "compose", "version"], capture_output=True,
-                                    check=False).returncode != 0:
-        pytest.skip("the docker compose v2 plugin is not installed")
-    result = _config([docker, "compose"], files)
     assert result.returncode == 0, result.stderr
 
 

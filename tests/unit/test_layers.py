@@ -126,6 +126,7 @@ def cycles(modules: dict[str, Path]) -> list[list[str]]:
     return found
 
 
+@pytest.mark.slow
 def test_there_is_no_import_cycle() -> None:
     assert cycles(project_modules()) == []
 

@@ -4,6 +4,7 @@ in ("live arrived"), and a new Join takes the dead slot with a new session."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -59,3 +60,16 @@ def test_a_worker_gone_liveness_s_is_marked_dead_and_a_new_join_takes_its_slot()
     assert not replacement.dead and replacement.live
     with pytest.raises(RegistryError, match="bad session"):  # the dead worker's session is void
         state.authenticate(0, first[0].session)
+
+
+def test_the_end_of_a_run_does_not_wait_for_a_worker_gone_liveness_s() -> None:
+    registry = WorkerRegistry(2, "tok")
+    state = CoordinatorState(None, [], registry, RunTotals(), RoundState(0, 300.0), liveness_s=0.2)
+    for _ in range(2):
+        state.join("tok", "h", "cpu", None, "")
+    done = threading.Event()
+    with state.follow(0, 0):
+        state.mark_finish_delivered(0)  # worker 0 has the last result; worker 1 never follows
+        threading.Thread(target=lambda: (state.wait_finish_delivered(600.0), done.set()), daemon=True).start()
+        assert done.wait(60), "waited for a worker without a Rounds stream"
+    assert registry.records[1].dead and not registry.records[0].dead

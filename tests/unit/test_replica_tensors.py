@@ -5,6 +5,7 @@ digest. Also bf16 autocast on the CPU and the data positions a worker checkpoint
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,6 +106,7 @@ def test_bf16_parameters_train_behind_an_fp32_master_copy() -> None:
     one_round(task, InnerTrainer(task, INNER, rounds=2, device=CPU), coordinator)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_the_cpu_keeps_deltas_fp32() -> None:
     task = build_task(TaskConfig(seq_len=16, batch_size=4, val_windows=4, corpus_bytes=40_000), 2)
     fp32 = InnerTrainer(task, INNER, rounds=2, device=CPU, precision="fp32")

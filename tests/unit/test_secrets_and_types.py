@@ -37,6 +37,7 @@ def test_a_value_of_the_wrong_type_names_field_type_and_value(tmp_path: Path, to
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_command_exits_2_without_a_traceback_on_a_wrong_type(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
     path.write_text("[inner]\nsteps = 3.5\n")

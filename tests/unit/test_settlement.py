@@ -92,6 +92,7 @@ def test_credit_for_the_same_frame_changes_no_bit() -> None:
     assert all(torch.equal(a, b) for a, b in zip(now, after, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme, n, s", [("pgc-fr", 4, 1), ("ignore", 4, 1), ("gc-fr", 4, 1)])
 def test_nothing_leaks_once_frames_are_settled(scheme: str, n: int, s: int) -> None:
     """beta = 1, random stragglers, 6 rounds (benchmarks/ef_drift.py defines the leak)."""

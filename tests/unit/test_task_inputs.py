@@ -177,6 +177,7 @@ def test_a_vocabulary_larger_than_the_embedding_is_an_error(tmp_path: Path) -> N
         build_task(task_cfg(model=f"{path}:small"), 2).make_model()
 
 
+@pytest.mark.slow
 def test_hf_model_from_a_config_needs_no_weights_and_no_hub(tmp_path: Path) -> None:
     task = build_task(task_cfg(model=f"hf:{TINY_LLAMA}", tokenizer="bytes"), 2)
     model = task.make_model()
@@ -252,6 +253,7 @@ def test_every_example_config_is_valid() -> None:
         assert cfg.task.model != "gpt-tiny", path
 
 
+@pytest.mark.slow
 def test_importing_geoloco_sets_no_environment_variable() -> None:
     """Not even the API's names (geoloco.run_local, .Coordinator, .Worker) set any: only
     building a transformers model or reading datasets does (HF_HUB_OFFLINE)."""

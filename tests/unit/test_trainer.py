@@ -37,6 +37,7 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
         resolve_device("cuda")
 
 
+@pytest.mark.slow
 def test_delta_is_global_minus_local_and_adamw_state_persists() -> None:
     torch.manual_seed(0)
     task = build_task(TASK, 2, seed=1)
@@ -56,6 +57,7 @@ def test_delta_is_global_minus_local_and_adamw_state_persists() -> None:
     assert int(trainer.optimizer.state[trainer.params[0]]["step"]) == 6
 
 
+@pytest.mark.slow
 def test_same_inputs_give_bit_identical_deltas() -> None:
     task = build_task(TASK, 2, seed=1)
     inner = InnerConfig(steps=2, lr=1e-3, warmup_steps=0)
@@ -67,6 +69,7 @@ def test_same_inputs_give_bit_identical_deltas() -> None:
     assert all(torch.equal(x, y) for x, y in zip(da, db, strict=True))
 
 
+@pytest.mark.slow
 def test_training_from_the_updated_parameters_lowers_the_loss() -> None:
     task = build_task(TASK, 1, seed=2)
     inner = InnerConfig(steps=10, lr=3e-3, warmup_steps=2)

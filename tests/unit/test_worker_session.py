@@ -1,18 +1,13 @@
 """The worker's session seam (geoloco.worker.session, .stream, .faults) against real gRPC
 servers on loopback: what a push puts on the wire, a round result decoded and applied as
-it streams in, a stream cut before its digest, and faulty sessions that drop a push, cut
-the stream or flip a parameter under real workers and a real coordinator process."""
+it streams in, a stream cut before its digest, and what each faulty session does (under
+real worker and coordinator processes: tests/integration/test_faulty_sessions.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
@@ -24,11 +19,9 @@ from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
 from geoloco.replica import apply_round, param_digest
 from geoloco.worker.faults import FLIP_BY, Fault, FaultySession, FlippingResult
-from geoloco.worker.loop import Worker
 from geoloco.worker.session import Push, Session
 from geoloco.worker.stream import DigestCheck, Disconnected
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "seam"
 
 
@@ -214,93 +207,3 @@ def test_flipping_result_changes_one_parameter_before_applying(serve) -> None:
     assert all(torch.equal(t, e) for t, e in zip(theta, expected, strict=True))
     session.close()
 
-
-# ---------------------------------------------------------------- real coordinator, real workers
-
-RUN = {
-    "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "4", "task.val_windows": "4",
-    "task.corpus_bytes": "200000", "inner.steps": "2", "inner.warmup_steps": "2",
-    "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "60",
-}
-ROUNDS = 3
-
-
-def run_two_workers(tmp_path: Path, faulty: FaultySession, deadline_s: float = 60.0) -> tuple[Worker, Worker]:
-    """A coordinator process (``geoloco coordinator``) and two in-process workers, one over
-    ``faulty``, until the run is over; both must exit 0."""
-    run_dir = tmp_path / "run"
-    flags = [arg for k, v in {**RUN, "coordinator.deadline_s": str(deadline_s)}.items() for arg in ("--set", f"{k}={v}")]
-    log = open(tmp_path / "coordinator.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "geoloco.cli", "coordinator", "--listen", "127.0.0.1:0",
-                             "--workers", "2", "--rounds", str(ROUNDS), "--run-dir", str(run_dir), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", GEOLOCO_TOKEN=TOKEN))
-    try:
-        address = f"127.0.0.1:{read_port(run_dir, proc)}"
-        faulty.address = address
-        workers = [Worker(faulty, device="cpu"), Worker(Session(address, TOKEN, 30), device="cpu")]
-        codes: dict[int, int] = {}
-        threads = [threading.Thread(target=lambda i=i, w=w: codes.__setitem__(i, w.run()), daemon=True)
-                   for i, w in enumerate(workers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-        assert codes == {0: 0, 1: 0}, (tmp_path / "coordinator.log").read_text()[-3000:]
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    return workers[0], workers[1]
-
-
-def read_port(run_dir: Path, proc: subprocess.Popen) -> int:
-    port_file = run_dir / "coordinator.port"
-    for _ in range(1200):
-        if port_file.exists() and port_file.read_text().strip().isdigit():
-            return int(port_file.read_text())
-        assert proc.poll() is None, "the coordinator exited before writing its port"
-        threading.Event().wait(0.05)
-    raise AssertionError("the coordinator did not write its port in 60 s")
-
-
-def metrics(tmp_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-
-
-def end_in_step(faulty: Worker, punctual: Worker) -> None:
-    """The punctual worker confirmed every digest (no resync), so ending on its parameters
-    is ending on the coordinator's."""
-    assert punctual.counters.resyncs == 0
-    assert param_digest(faulty.theta) == param_digest(punctual.theta)
-    assert faulty.round == punctual.round == ROUNDS
-
-
-def test_a_dropped_push_is_counted_and_the_round_closes_without_it(tmp_path: Path) -> None:
-    session = FaultySession("", TOKEN, 30, fault=Fault.DROP_PUSH, rounds=[1])
-    faulty, punctual = run_two_workers(tmp_path, session, deadline_s=5.0)
-    assert session.fired == [1]
-    assert faulty.counters.rejected_pushes == 1 and faulty.counters.resyncs == 0
-    closed = metrics(tmp_path)
-    assert [sorted(m["arrived"]) for m in closed] == [[0, 1], [punctual.session.worker_id], [0, 1]]
-    end_in_step(faulty, punctual)
-
-
-def test_a_flipped_parameter_is_found_by_the_digest_and_resynced(tmp_path: Path) -> None:
-    session = FaultySession("", TOKEN, 30, fault=Fault.FLIP_PARAMETER, rounds=[1])
-    faulty, punctual = run_two_workers(tmp_path, session)
-    assert session.fired == [1]
-    assert faulty.counters.resyncs == 1
-    end_in_step(faulty, punctual)
-
-
-def test_a_cut_stream_makes_the_worker_rejoin_with_its_id(tmp_path: Path) -> None:
-    session = FaultySession("", TOKEN, 30, fault=Fault.CUT_STREAM, rounds=[1])
-    faulty, punctual = run_two_workers(tmp_path, session)
-    assert session.fired == [1]
-    assert faulty.counters.reconnects == 1
-    # it kept its id: no third worker, and its frame of the last round came under that id
-    assert sorted(metrics(tmp_path)[-1]["arrived"]) == [0, 1]
-    end_in_step(faulty, punctual)
