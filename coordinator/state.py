@@ -4,6 +4,7 @@ behind one lock (round protocol: docs/protocol.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -18,11 +19,12 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, encode_dense
-from geoloco.coordinator.metrics import RunTotals, write_json_atomic
+from geoloco.coordinator.metrics import RunTotals
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
 from geoloco.replica import param_digest
+from geoloco.run_dir import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +108,8 @@ class CoordinatorState:
         if self.registry_file is None:
             return
         try:
-            write_json_atomic(self.registry_file, {str(i): d for i, d in self.registry.to_dict().items()},
-                              durable=True)
+            records = {str(i): d for i, d in self.registry.to_dict().items()}
+            write_atomic(self.registry_file, json.dumps(records, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             log.error("worker registry not saved to %s (%s); the next Join tries again",
                       self.registry_file, exc.strerror or exc)

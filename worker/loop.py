@@ -23,6 +23,7 @@ from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
 from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import param_digest, replica_layout
+from geoloco.run_dir import write_atomic
 from geoloco.tasks import build_task
 from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
@@ -425,6 +426,4 @@ class Worker:
                   **asdict(self.counters)}
         path = Path(self.report_dir) / f"worker-{self.session.worker_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(report, indent=2), durable=False)
