@@ -273,6 +273,8 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
     dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
     ConfigError otherwise)."""
     claim_run_dir(run_dir, resume, overwrite)
+    if resume and run_is_done(cfg, Path(run_dir)):
+        return EXIT_OK
     with StopSignals() as signals:
         try:
             coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
@@ -292,6 +294,17 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
                 return _stop_and_checkpoint(coordinator, signals.name)
     coordinator.stop()
     return EXIT_FAILED if coordinator.failed else EXIT_OK
+
+
+def run_is_done(cfg: RunConfig, run_dir: Path) -> bool:
+    """Whether the newest checkpoint in ``run_dir`` is that of the end of all ``cfg.rounds``
+    rounds: a resume then has nothing to do, and says so (nothing is written)."""
+    done = checkpoint.latest_round(run_dir)
+    if done is None or done < cfg.rounds:
+        return False
+    log.info("--resume: all %d rounds of the run in %s are done (checkpoint of round %d); "
+             "nothing to do. Raise `rounds` to train on", cfg.rounds, run_dir, done)
+    return True
 
 
 def _stop_and_checkpoint(coordinator: Coordinator, reason: str | None) -> int:

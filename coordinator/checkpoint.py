@@ -164,6 +164,18 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint.from_dict(state, load_file(str(path / WEIGHTS_FILE)))
 
 
+def latest_round(run_dir: Path) -> int | None:
+    """The round the newest readable checkpoint starts (its sidecar alone is read), or None."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            state = torch.load(path / STATE_FILE if path.is_dir() else path, map_location="cpu",
+                               weights_only=True)
+            return int(state["round"])
+        except Exception as exc:  # noqa: BLE001 - any damage means: try the older one
+            log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
+    return None
+
+
 def latest_path(run_dir: Path) -> Path | None:
     """The newest readable checkpoint's path, or None; an unreadable one is logged and
     skipped for the one before it."""

@@ -63,10 +63,12 @@ class RoundLoop:
     def run(self) -> None:
         """The initial loss, the joins, every round, then the end of the run."""
         try:
-            self.measure_initial_loss()
             if self.state.open_round() >= self.cfg.rounds:
-                log.info("all %d rounds were already done in %s", self.cfg.rounds, self.run_dir)
-            elif self.state.wait_for_joins(self.cfg.workers, self.cfg.coordinator.join_timeout_s):
+                log.info("all %d rounds were already done in %s; nothing to do", self.cfg.rounds,
+                         self.run_dir)
+                return
+            self.measure_initial_loss()
+            if self.state.wait_for_joins(self.cfg.workers, self.cfg.coordinator.join_timeout_s):
                 while self.state.open_round() < self.cfg.rounds and not self.state.stopping:
                     self.run_round()
             if not self.state.stopping:

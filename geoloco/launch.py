@@ -136,6 +136,12 @@ def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
     cfg = as_config(config)
     claim_run_dir(cfg.run_dir, resume, overwrite, LOCAL_OUTPUTS)
     run = LocalRun(cfg, stall_timeout_s, progress, resume)
+    done = checkpoint.latest_round(run.run_dir) if resume else None
+    if done is not None and done >= cfg.rounds:  # the coordinator would say so and exit at once
+        run.progress.close()
+        print(f"all {cfg.rounds} rounds of the run in {run.run_dir} are done (checkpoint of "
+              f"round {done}): nothing to resume; raise `rounds` to train on", flush=True)
+        return RunResult(0, run.run_dir, run.read_summary())
     # The children ignore SIGINT (they inherit it ignored): a Ctrl-C on the terminal reaches
     # the whole process group, and only this launcher acts on it, with one SIGTERM each.
     with StopSignals(on_force=run.kill, keep_ignored=False) as signals:
