@@ -29,6 +29,7 @@ from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker import local_state
 from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.identity import IdentityStore
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
@@ -130,6 +131,7 @@ class Worker:
         self.max_resyncs = max_resyncs  # give up if the replica keeps diverging
         self.training: Training | None = None  # built at the first Join
         self.state_dir = state_dir  # the worker's own state goes there (None: nowhere)
+        self.identities = IdentityStore(state_dir) if state_dir is not None else None
         self.state_every = state_every  # rounds between saves; None: measured (STATE_COST_SHARE)
         self.state_interval = 1  # the measured one
         self.state_saved_round = -1
@@ -331,7 +333,7 @@ class Worker:
         """Join (or rejoin with the same id); fetch the state unless θ is confirmed and at the
         coordinator's open round; follow the Rounds stream from θ's round."""
         rejoining = self.session.worker_id is not None
-        reply = self.session.join(describe_device(self.device))
+        reply = self.join()
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
             self.training = Training.from_join(reply, self.device, self.precision, self.inner_step)
@@ -343,6 +345,30 @@ class Worker:
         if reply.current_round != self.round or self.task is None:
             self.fetch_state()
         self.session.follow(self.round, self.training.layout)
+
+    def join(self) -> pb.JoinReply:
+        """Session.join; a new process first takes the identity saved in state_dir by a
+        worker process that is gone, so it gets that slot back at once. An identity the
+        coordinator refuses (its slot went to another worker, or another run) is dropped for
+        a plain Join. Every Join's identity is saved for the next restart."""
+        device = describe_device(self.device)
+        claimed = self.identities.claim() if self.identities and self.session.worker_id is None else None
+        if claimed is not None:
+            log.info("reclaiming worker %d, the identity saved in %s", claimed[0], self.state_dir)
+            self.session.worker_id, self.session.secret = claimed
+        try:
+            reply = self.session.join(device)
+        except JoinRefused as exc:
+            if claimed is None or exc.code != "UNAUTHENTICATED":
+                raise
+            log.warning("the saved identity of worker %d was refused (%s); joining as a new worker",
+                        claimed[0], exc)
+            self.identities.forget(claimed[0])
+            self.session.worker_id, self.session.secret = None, ""
+            reply = self.session.join(device)
+        if self.identities is not None:
+            self.identities.save(reply.worker_id, reply.session)
+        return reply
 
     def restore_local_state(self) -> None:
         """After the first Join: the state this worker id saved in state_dir, if any; else
