@@ -38,6 +38,7 @@ from geoloco.run_dir import (
     WORKER_STATE_DIR,
     WORKERS_DIR,
     claim_run_dir,
+    worker_state_dir,
     write_atomic,
 )
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
@@ -279,7 +280,13 @@ class LocalRun:
                 "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / WORKERS_DIR),
+                "--state-dir", str(worker_state_dir(self.run_dir, i)), *self._state_every_args(),
                 "--wait-for", str(self.run_dir / WORKERS_DIR / f"gate-{i}"), *self._worker_metrics_args(i)]
+
+    def _state_every_args(self) -> list[str]:
+        """worker.state_every of the run config, for the workers' own saves."""
+        every = self.cfg.worker.state_every
+        return [] if every is None else ["--set", f"worker.state_every={every}"]
 
     def _worker_metrics_args(self, i: int) -> list[str]:
         """Worker i's /metrics: monitoring.worker_metrics_port + i, or a free port for 0."""
