@@ -21,7 +21,7 @@ from torch import Tensor
 from geoloco.compression import Layout, encode_dense
 from geoloco.coordinator.metrics import RunTotals
 from geoloco.coordinator.outer import Update, apply_update
-from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
+from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
 from geoloco.replica import param_digest
 from geoloco.run_dir import write_atomic
@@ -115,8 +115,16 @@ class CoordinatorState:
                       self.registry_file, exc.strerror or exc)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
+        """The caller's record (registry.authenticate). A worker that has not joined this
+        coordinator process is told UNAVAILABLE, so that it joins again: after a --resume
+        its gRPC channel reconnects on its own, and its session, restored from
+        registry.json, is still good, but the run went back to the checkpoint's round."""
         with self.lock:
-            return self.registry.authenticate(worker_id, session, cert)
+            record = self.registry.authenticate(worker_id, session, cert)
+            if not record.joined:
+                raise RegistryError("UNAVAILABLE", f"worker {worker_id}: this coordinator was "
+                                    "restarted since your Join; join again (reclaim_worker_id)")
+            return record
 
     def snapshot(self, record: WorkerRecord) -> StateSnapshot:
         """The parameters at the current round's start (the worker counts as ready)."""
