@@ -67,7 +67,8 @@ class Coordinator:
     ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
     ``run_dir`` defaults to ``cfg.run_dir``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
+                 crash_at: tuple[str, int] | None = None) -> None:
         token = require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
@@ -94,6 +95,7 @@ class Coordinator:
                                       self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
+        self.loop.crash_at = crash_at  # the exactly-once tests' seam
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
                            if cfg.monitoring.metrics_port is not None else None)
         self.tensorboard = TensorBoardScalars(self.run_dir) if cfg.monitoring.tensorboard else None
@@ -266,7 +268,7 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
 
 
 def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
-                    overwrite: bool = False) -> int:
+                    overwrite: bool = False, crash_at: tuple[str, int] | None = None) -> int:
     """Serve until every round is done, or until Ctrl-C or SIGTERM: then stop the round
     loop (a round being applied is finished first), write the checkpoint of the open round
     and summary.json, exit 130; a second signal exits at once. Returns the exit code. A run
@@ -277,7 +279,7 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
         return EXIT_OK
     with StopSignals() as signals:
         try:
-            coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+            coordinator = Coordinator(cfg, Path(run_dir), resume=resume, crash_at=crash_at)
         except ResumeError as exc:
             log.error("%s", exc)
             return EXIT_FAILED

@@ -18,7 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from geoloco.run_dir import CHECKPOINT_DIR, fsync_path, remove_stale_temps, write_atomic
+from geoloco.run_dir import (
+    CHECKPOINT_DIR,
+    ROUNDLOG_DIR,
+    fsync_path,
+    remove_stale_temps,
+    write_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +212,7 @@ def remove_stale(run_dir: Path) -> list[Path]:
     found = [p for p in (run_dir / CHECKPOINT_DIR).glob("round_*") if _STALE_CHECKPOINT.match(p.name)]
     for path in found:
         shutil.rmtree(path, ignore_errors=True)
-    return found + remove_stale_temps(run_dir)
+    return found + remove_stale_temps(run_dir) + remove_stale_temps(run_dir / ROUNDLOG_DIR)
 
 
 def _prune(folder: Path) -> None:

@@ -286,13 +286,16 @@ class CoordinatorState:
             closed.digest.set_exception(exc)
             raise
 
-    def wait_finish_delivered(self, limit_s: float) -> None:
-        """Until every live worker has the finished run's last result, for ``limit_s``."""
+    def wait_finish_delivered(self, limit_s: float, every: int | None = None) -> None:
+        """Until every live worker has the finished run's last result, for ``limit_s``;
+        with ``every``, until that many workers have it (a resumed run that replayed its
+        last round: the workers that had it already do not come back)."""
         deadline = time.monotonic() + limit_s
         with self.lock:
             while not self.stopping and time.monotonic() < deadline:
                 live = {i for i, r in self.registry.records.items() if r.live}
-                if live <= self.delivered_finish:
+                if (len(self.delivered_finish) >= every if every is not None
+                        else live <= self.delivered_finish):
                     return
                 self.lock.wait(timeout=FINISH_POLL_S)
 

@@ -21,6 +21,7 @@ METRICS_FILE = "metrics.jsonl"  # one line per round
 SUMMARY_FILE = "summary.json"
 REGISTRY_FILE = "registry.json"  # the worker registry, rewritten at every Join
 CHECKPOINT_DIR = "checkpoints"
+ROUNDLOG_DIR = "roundlog"  # the close decisions since the newest checkpoint (coordinator.roundlog)
 TENSORBOARD_DIR = "tensorboard"
 PORT_FILE = "coordinator.port"
 METRICS_PORT_FILE = "metrics.port"
@@ -33,7 +34,7 @@ CERTS_DIR = "certs"  # geoloco local: the run's CA, certificates and token
 PREVIOUS_RUN = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, REGISTRY_FILE, CHECKPOINT_DIR,
                 LOGS_DIR, WORKERS_DIR, WORKER_STATE_DIR)
 # What the coordinator writes there, and so what its --overwrite removes.
-COORDINATOR_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, REGISTRY_FILE, CHECKPOINT_DIR,
+COORDINATOR_OUTPUTS = (METRICS_FILE, SUMMARY_FILE, REGISTRY_FILE, CHECKPOINT_DIR, ROUNDLOG_DIR,
                        TENSORBOARD_DIR, PORT_FILE, METRICS_PORT_FILE)
 
 # write_atomic's temporary file beside its target: .NAME.tmpPID-THREAD (what a killed write

@@ -34,7 +34,7 @@ from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
-from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
+from geoloco.worker.stream import Behind, DigestCheck, Disconnected, RoundResult
 from geoloco.worker.trainer import (
     InnerStep,
     InnerTrainer,
@@ -141,6 +141,7 @@ class Worker:
         self.task: pb.WorkerTask | None = None  # None: θ is not known to be the coordinator's
         self.check: DigestCheck | None = None  # of θ, while it runs beside the inner loop
         self.outbox: Push | None = None  # this round's frame, kept to push again after a reconnect
+        self.trained: Trained | None = None  # this round's training while θ awaits its confirmation
         self.apply_s = 0.0  # applying the last round result (reported in the next Push)
         self.counters = Counters()
 
@@ -159,6 +160,9 @@ class Worker:
             while not finished:
                 try:
                     finished = self.play_round()
+                except Behind as exc:
+                    self.task = None  # the result it waits for is gone: fetch the state
+                    self.reconnect(str(exc))
                 except Disconnected as exc:
                     self.reconnect(str(exc))
         except (Stopped, TrainingStopped):
@@ -185,11 +189,14 @@ class Worker:
             raise Stopped("stop() was called")
         result = self.session.poll_result(self.round)
         if result is None and self.outbox is None and self.has_work():
-            trained = self.train()
+            # kept across a reconnect that left θ as it was: the data and AdamW went on once
+            trained = self.trained or self.train()
+            self.trained = trained
             if not self.confirm():
+                self.trained = None
                 return False
             self.emulate_straggler(trained)
-            self.outbox = self.encode(trained)
+            self.outbox, self.trained = self.encode(trained), None
             result = self.session.poll_result(self.round)
         if result is None and self.outbox is not None:
             self.push(self.outbox)
@@ -313,6 +320,8 @@ class Worker:
         """θ ← the coordinator's parameters, checked against their digest; take the task of
         its open round."""
         self.release_check()
+        if self.trained is not None and (state.round != self.round or state.digest != param_digest(self.theta)):
+            self.trained = None  # trained from another θ
         dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
         for t, v in zip(self.theta, dense, strict=True):
             t.copy_(v.reshape(t.shape))
@@ -342,7 +351,9 @@ class Worker:
             self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
-        if reply.current_round != self.round or self.task is None:
+        # a coordinator ahead holds the results θ lacks (else the stream says Behind): they
+        # are applied as they were broadcast, so this worker's own frame is settled too
+        if reply.current_round < self.round or self.task is None:
             self.fetch_state()
         self.session.follow(self.round, self.training.layout)
 
