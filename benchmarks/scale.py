@@ -87,12 +87,13 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     from geoloco.coordinator.app import serve as start_server
     from geoloco.coordinator.gradient_coding import make_code
     from geoloco.coordinator.loop import RoundLoop
-    from geoloco.coordinator.metrics import RunTotals, write_text_atomic
+    from geoloco.coordinator.metrics import RunTotals
     from geoloco.coordinator.outer import make_outer
     from geoloco.coordinator.registry import WorkerRegistry
     from geoloco.coordinator.rounds import CodePolicy, RoundState
     from geoloco.coordinator.service import CoordinatorServicer
     from geoloco.coordinator.state import CoordinatorState
+    from geoloco.run_dir import PORT_FILE, write_atomic
 
     cfg = run_config(n, run_dir)
     layout = layout_for(quick)
@@ -103,12 +104,12 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     loop = RoundLoop(cfg, state, CodePolicy(code), make_outer("sparseloco", layout, cfg.outer),
                      NoValidation(), nn.Module(), run_dir)
     server, port = start_server(cfg, CoordinatorServicer(state, cfg, layout, code), health.HealthServicer(), None)
-    write_text_atomic(run_dir / "coordinator.port", f"{port}\n")
+    write_atomic(run_dir / PORT_FILE, f"{port}\n")
     loop.measure_initial_loss()
     if state.wait_for_joins(n, cfg.coordinator.join_timeout_s):
         while state.open_round() < cfg.rounds:  # the loop's rounds; no worker waits for the end
             loop.run_round()
-    write_text_atomic(run_dir / RSS_FILE, f"{peak_rss_mb()}\n")
+    write_atomic(run_dir / RSS_FILE, f"{peak_rss_mb()}\n")
     server.stop(1.0).wait()
     return 0
 

@@ -22,7 +22,7 @@ from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
 from geoloco.coordinator.loop import RoundLoop
-from geoloco.coordinator.metrics import METRICS_FILE, MetricsWriter, RunTotals, write_text_atomic
+from geoloco.coordinator.metrics import MetricsWriter, RunTotals
 from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
@@ -34,7 +34,16 @@ from geoloco.metrics_server import MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
-from geoloco.run_dir import claim_run_dir
+from geoloco.run_dir import (
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    METRICS_PORT_FILE,
+    PORT_FILE,
+    REGISTRY_FILE,
+    claim_run_dir,
+    write_atomic,
+)
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
 from geoloco.tls import server_credentials
@@ -42,10 +51,6 @@ from geoloco.tls import server_credentials
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloco.v1.Coordinator
-PORT_FILE = "coordinator.port"
-METRICS_PORT_FILE = "metrics.port"
-CONFIG_FILE = "config.json"
-REGISTRY_FILE = "registry.json"  # the worker registry, rewritten at every Join
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
 SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
@@ -62,7 +67,8 @@ class Coordinator:
     ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
     ``run_dir`` defaults to ``cfg.run_dir``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
+                 crash_at: tuple[str, int] | None = None) -> None:
         token = require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
@@ -89,6 +95,7 @@ class Coordinator:
                                       self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
+        self.loop.crash_at = crash_at  # the exactly-once tests' seam
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
                            if cfg.monitoring.metrics_port is not None else None)
         self.tensorboard = TensorBoardScalars(self.run_dir) if cfg.monitoring.tensorboard else None
@@ -102,14 +109,14 @@ class Coordinator:
     def start(self) -> int:
         """Bind, serve and start the round loop; returns the bound port."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
+        write_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
         if not checkpoint.list_checkpoints(self.run_dir):  # from here on a kill can resume
             self.loop.try_checkpoint(self.state.open_round())
         servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
         self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen
         self._serve_metrics()
-        write_text_atomic(self.run_dir / PORT_FILE, f"{self.port}\n")
+        write_atomic(self.run_dir / PORT_FILE, f"{self.port}\n", durable=False)
         log.info("coordinator listening on %s (port %d), %d workers, %d rounds, model %s "
                  "(%d parameters)", listen, self.port, self.cfg.workers, self.cfg.rounds,
                  self.cfg.task.model, self.layout.numel)
@@ -126,7 +133,7 @@ class Coordinator:
             return
         mon = self.cfg.monitoring
         self.metrics_server = MetricsServer(self.prometheus.registry, mon.metrics_host, mon.metrics_port)
-        write_text_atomic(self.run_dir / METRICS_PORT_FILE, f"{self.metrics_server.port}\n")
+        write_atomic(self.run_dir / METRICS_PORT_FILE, f"{self.metrics_server.port}\n", durable=False)
         log.info("metrics on http://%s:%d/metrics", mon.metrics_host, self.metrics_server.port)
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -218,10 +225,10 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
     ResumeError when the run dir holds a run but no checkpoint of it can be read."""
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
-        left = [p.name for p in (run_dir / checkpoint.CHECKPOINT_DIR, run_dir / METRICS_FILE,
+        left = [p.name for p in (run_dir / CHECKPOINT_DIR, run_dir / METRICS_FILE,
                                  run_dir / REGISTRY_FILE) if p.exists()]
         if left:
-            raise ResumeError(f"--resume: no readable checkpoint in {run_dir / checkpoint.CHECKPOINT_DIR}, "
+            raise ResumeError(f"--resume: no readable checkpoint in {run_dir / CHECKPOINT_DIR}, "
                               f"but the run dir holds a run ({', '.join(left)}); nothing was "
                               "started. Restore a checkpoint, or start over with --overwrite")
         log.info("--resume: %s holds no run yet; starting at round 0", run_dir)
@@ -261,16 +268,18 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
 
 
 def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
-                    overwrite: bool = False) -> int:
+                    overwrite: bool = False, crash_at: tuple[str, int] | None = None) -> int:
     """Serve until every round is done, or until Ctrl-C or SIGTERM: then stop the round
     loop (a round being applied is finished first), write the checkpoint of the open round
     and summary.json, exit 130; a second signal exits at once. Returns the exit code. A run
     dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
     ConfigError otherwise)."""
     claim_run_dir(run_dir, resume, overwrite)
+    if resume and run_is_done(cfg, Path(run_dir)):
+        return EXIT_OK
     with StopSignals() as signals:
         try:
-            coordinator = Coordinator(cfg, Path(run_dir), resume=resume)
+            coordinator = Coordinator(cfg, Path(run_dir), resume=resume, crash_at=crash_at)
         except ResumeError as exc:
             log.error("%s", exc)
             return EXIT_FAILED
@@ -287,6 +296,17 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
                 return _stop_and_checkpoint(coordinator, signals.name)
     coordinator.stop()
     return EXIT_FAILED if coordinator.failed else EXIT_OK
+
+
+def run_is_done(cfg: RunConfig, run_dir: Path) -> bool:
+    """Whether the newest checkpoint in ``run_dir`` is that of the end of all ``cfg.rounds``
+    rounds: a resume then has nothing to do, and says so (nothing is written)."""
+    done = checkpoint.latest_round(run_dir)
+    if done is None or done < cfg.rounds:
+        return False
+    log.info("--resume: all %d rounds of the run in %s are done (checkpoint of round %d); "
+             "nothing to do. Raise `rounds` to train on", cfg.rounds, run_dir, done)
+    return True
 
 
 def _stop_and_checkpoint(coordinator: Coordinator, reason: str | None) -> int:

@@ -18,17 +18,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from geoloco.run_dir import (
+    CHECKPOINT_DIR,
+    ROUNDLOG_DIR,
+    fsync_path,
+    remove_stale_temps,
+    write_atomic,
+)
+
 log = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
 FORMAT_VERSION = 2  # 1: one torch.save file round_XXXXXXXX.pt (still read)
 KEEP_CHECKPOINTS = 3  # older checkpoints are deleted once a newer one is on disk
 WEIGHTS_FILE = "model.safetensors"  # the name transformers' from_pretrained looks for
 STATE_FILE = "state.pt"  # the sidecar, written last: a folder without it is not a checkpoint
 _NAME = re.compile(r"^round_(\d{8})(\.pt)?$")
-# what a killed write leaves: a checkpoint's temporary or set-aside folder, a .NAME.tmpPID file
+# what a killed write leaves: a checkpoint's temporary or set-aside folder
 _STALE_CHECKPOINT = re.compile(r"^round_\d{8}\.(tmp|old)\d+$")
-_STALE_FILE = re.compile(r"^\..+\.tmp\d+$")
 
 
 @dataclass
@@ -112,12 +118,12 @@ def _write_folder(tmp: Path, ckpt: Checkpoint) -> None:
     tmp.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
     save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "geoloco_round": str(ckpt.round)})
-    _fsync(tmp / WEIGHTS_FILE)
+    fsync_path(tmp / WEIGHTS_FILE)
     for name, text in ckpt.files.items():
-        _write(tmp / name, text.encode())
+        write_atomic(tmp / name, text)
     state = io.BytesIO()
     torch.save(ckpt.to_dict(), state)
-    _write(tmp / STATE_FILE, state.getvalue())
+    write_atomic(tmp / STATE_FILE, state.getbuffer())
 
 
 def _reason(exc: BaseException) -> str:
@@ -132,21 +138,6 @@ def _reason(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _replace_folder(tmp: Path, path: Path) -> None:
     """Rename ``tmp`` to ``path``; a checkpoint already there (the same round saved again)
     is moved aside first and removed after."""
@@ -155,7 +146,7 @@ def _replace_folder(tmp: Path, path: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -177,6 +168,18 @@ def load(path: Path) -> Checkpoint:
         return Checkpoint.from_dict(torch.load(path, map_location="cpu", weights_only=True))
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     return Checkpoint.from_dict(state, load_file(str(path / WEIGHTS_FILE)))
+
+
+def latest_round(run_dir: Path) -> int | None:
+    """The round the newest readable checkpoint starts (its sidecar alone is read), or None."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            state = torch.load(path / STATE_FILE if path.is_dir() else path, map_location="cpu",
+                               weights_only=True)
+            return int(state["round"])
+        except Exception as exc:  # noqa: BLE001 - any damage means: try the older one
+            log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
+    return None
 
 
 def latest_path(run_dir: Path) -> Path | None:
@@ -207,13 +210,9 @@ def remove_stale(run_dir: Path) -> list[Path]:
     checkpoints folder; returns the paths removed."""
     run_dir = Path(run_dir)
     found = [p for p in (run_dir / CHECKPOINT_DIR).glob("round_*") if _STALE_CHECKPOINT.match(p.name)]
-    found += [p for p in run_dir.glob(".*") if _STALE_FILE.match(p.name)]
     for path in found:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    return found
+        shutil.rmtree(path, ignore_errors=True)
+    return found + remove_stale_temps(run_dir) + remove_stale_temps(run_dir / ROUNDLOG_DIR)
 
 
 def _prune(folder: Path) -> None:

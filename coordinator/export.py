@@ -14,12 +14,13 @@ from safetensors.torch import save_file
 
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint
+from geoloco.run_dir import CONFIG_FILE
 from geoloco.tasks.hf import PREFIX, require
 from geoloco.tasks.tokenize import END_OF_TEXT
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"  # the run config the coordinator wrote into the run dir
+MODEL_CONFIG_FILE = "config.json"  # the model's, beside the weights of a checkpoint
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -65,6 +66,6 @@ def _export_state_dict(path: Path, out: Path) -> None:
     ckpt = checkpoint.load(path)
     weights = {name: t.contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
     save_file(weights, str(out / checkpoint.WEIGHTS_FILE), metadata={"format": "pt"})
-    for name in (CONFIG_FILE, TOKENIZER_FILE):
+    for name in (MODEL_CONFIG_FILE, TOKENIZER_FILE):
         if path.is_dir() and (path / name).is_file():
             shutil.copyfile(path / name, out / name)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import signal
 import threading
 import time
 from dataclasses import asdict
@@ -16,7 +18,7 @@ from torch import Tensor, nn
 
 from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
-from geoloco.coordinator import checkpoint
+from geoloco.coordinator import checkpoint, roundlog
 from geoloco.coordinator.bounds import FrameBounds
 from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RoundTiming, round_metrics
 from geoloco.coordinator.outer import OuterOptimizer, Update
@@ -28,6 +30,7 @@ from geoloco.tasks import Task
 
 log = logging.getLogger(__name__)
 
+CRASH_AFTER_BROADCAST_S = 0.5  # the seam lets the frames go out before it kills
 VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # val_every None: larger models only at checkpoints/end
 VAL_COST_SHARE = 0.10  # val_every None: a small model's validation takes at most this of a round
 
@@ -69,17 +72,28 @@ class RoundLoop:
         self.bounds = FrameBounds(cfg.guard, state.params)
         self.failed = False
         self.done = threading.Event()
+        self.crash_at: tuple[str, int] | None = None  # the test seam: (stage, round) to SIGKILL at
         self._started_at = time.monotonic()
         self.val_seconds: float | None = None  # the last validation's cost
         self.round_seconds: float | None = None  # the last round's, from open to broadcast
 
     def run(self) -> None:
-        """The initial loss, the joins, every round, then the end of the run."""
+        """The rounds logged after the checkpoint, the initial loss, the joins, every
+        round, then the end of the run."""
         try:
-            self.measure_initial_loss()
+            replayed = self.replay()
             if self.state.open_round() >= self.cfg.rounds:
-                log.info("all %d rounds were already done in %s", self.cfg.rounds, self.run_dir)
-            elif self.state.wait_for_joins(self.cfg.workers, self.cfg.coordinator.join_timeout_s):
+                if not replayed:
+                    log.info("all %d rounds were already done in %s; nothing to do",
+                             self.cfg.rounds, self.run_dir)
+                    return
+                # the last round was replayed: those waiting for its result rejoin for it
+                self.state.wait_finish_delivered(self.cfg.coordinator.join_timeout_s,
+                                                 every=self.cfg.workers)
+                self.save_final()
+                return
+            self.measure_initial_loss()
+            if self.state.wait_for_joins(self.cfg.workers, self.cfg.coordinator.join_timeout_s):
                 while self.state.open_round() < self.cfg.rounds and not self.state.stopping:
                     self.run_round()
             if not self.state.stopping:
@@ -89,6 +103,22 @@ class RoundLoop:
             log.exception("coordinator round loop failed at round %d", self.state.open_round())
         finally:
             self.done.set()
+
+    def replay(self) -> int:
+        """Apply the rounds whose close decision is in the round log (a resumed run), as
+        they were decided, and keep them for the Rounds streams of the workers that rejoin;
+        returns how many."""
+        entries = roundlog.read(self.run_dir, self.state.open_round())
+        for entry in entries:
+            closed = entry.closed()
+            with self.state.publishing(closed):
+                self.state.apply(entry.update(self.state.layout), closed)
+            m = RoundMetrics(**_worker_keys(entry.metrics))
+            m.val_loss = self.task.val_loss(self.model) if self.val_due(entry.round + 1) else None
+            self.write_metrics(m)
+            log.info("round %d replayed from the round log (%d frames, digest %s)", entry.round,
+                     len(closed.parts), closed.digest.result()[:16])
+        return len(entries)
 
     def run_round(self) -> None:
         """Close, broadcast at once, then apply and digest while the frames travel; the
@@ -106,9 +136,12 @@ class RoundLoop:
             # nothing was applied: every worker keeps its message in its error feedback
             settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
         closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
+        self.log_decision(rs, closed)
+        self.crash_point("decision", rs.round)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
                                  elapsed_seconds=self.elapsed_seconds())
+            self.crash_point("broadcast", rs.round)
             self.state.apply(update, closed)
         timing.applied_at = time.monotonic()
         if rs.opened_at is not None:
@@ -116,6 +149,28 @@ class RoundLoop:
         val = self.validate() if self.val_due(rs.round + 1) else None
         self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
+
+    def log_decision(self, rs: RoundState, closed: ClosedRound) -> None:
+        """The close decision to the round log, durably, before anything is broadcast."""
+        now = time.monotonic()
+        timing = RoundTiming(published_at=now, applied_at=now, wall_time=time.time(),
+                             elapsed_seconds=self.elapsed_seconds())
+        draft = round_metrics(rs, closed, timing, None, self.lr_of(rs.round))
+        roundlog.append(self.run_dir, roundlog.LoggedRound(closed.header, closed.parts,
+                                                           closed.settlements, asdict(draft)))
+
+    def crash_point(self, stage: str, round: int) -> None:
+        """The test seam of exactly-once: SIGKILL this process at ``stage`` of ``round``
+        (after the decision is logged; after the broadcast, before the apply)."""
+        if self.crash_at == (stage, round):
+            if stage == "broadcast":
+                time.sleep(CRASH_AFTER_BROADCAST_S)  # the frames on their way, the digest not
+            log.warning("crash point %s of round %d: SIGKILL", stage, round)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def lr_of(self, round: int) -> float:
+        inner = self.cfg.inner
+        return lr_at(inner, round * inner.steps, self.cfg.rounds * inner.steps)
 
     def measure_initial_loss(self) -> None:
         totals = self.state.totals
@@ -149,10 +204,15 @@ class RoundLoop:
     def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,
                val: float | None, median_norm: float | None = None) -> None:
         """The round's line in metrics.jsonl, the run totals, one log line."""
-        inner = self.cfg.inner
-        lr = lr_at(inner, rs.round * inner.steps, self.cfg.rounds * inner.steps)
-        m = round_metrics(rs, closed, timing, val, lr)
+        m = round_metrics(rs, closed, timing, val, self.lr_of(rs.round))
         m.median_frame_norm = median_norm
+        self.write_metrics(m)
+        up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
+        log.info("round %d: val_loss %s, arrived %d/%d (%s), up %s B/worker, down %d B/worker, "
+                 "%.2f s", m.round, _fmt(m.val_loss), len(m.arrived), self.cfg.workers,
+                 m.close_reason, up, m.download_bytes_per_worker, m.round_seconds)
+
+    def write_metrics(self, m: RoundMetrics) -> None:
         self.state.totals.add(m, max(self.state.live_count(), 1))
         try:
             self.metrics.write_round(m)
@@ -160,10 +220,6 @@ class RoundLoop:
             log.error("round %d: its metrics line was not written (%s)", m.round, exc.strerror or exc)
         for observer in self.observers:
             observer.write_round(m)
-        up = f"{m.upload_bytes_mean:.0f}" if m.upload_bytes_mean is not None else "-"
-        log.info("round %d: val_loss %s, arrived %d/%d (%s), up %s B/worker, down %d B/worker, "
-                 "%.2f s", m.round, _fmt(m.val_loss), len(m.arrived), self.cfg.workers,
-                 m.close_reason, up, m.download_bytes_per_worker, m.round_seconds)
 
     def elapsed_seconds(self) -> float:
         """The run's wall time so far, the time before a resume included."""
@@ -194,6 +250,7 @@ class RoundLoop:
                                      self.state.layout.digest, totals, fixed=self.fixed,
                                      files=self.model_files)
         path = checkpoint.save(self.run_dir, ckpt)
+        roundlog.prune(self.run_dir, next_round)
         log.info("checkpoint %s (round %d)", path, next_round)
         return path
 
@@ -232,6 +289,12 @@ def fixed_tensors(model: nn.Module, shared: list[Tensor]) -> dict[str, Tensor]:
             seen.add(t.data_ptr())
             fixed[name] = t.detach().clone()
     return fixed
+
+
+def _worker_keys(metrics: dict) -> dict:
+    """A metrics dict read back from JSON, its per-worker maps keyed by int again."""
+    return {k: {int(w) if str(w).isdigit() else w: v for w, v in val.items()}
+            if isinstance(val, dict) else val for k, val in metrics.items()}
 
 
 def round_result(rs: RoundState, update: Update, settlements: dict[int, pb.Settlement],

@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.coordinator.rounds import ClosedRound, RoundState
-
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
+from geoloco.run_dir import METRICS_FILE, SUMMARY_FILE, write_atomic
 
 
 @dataclass
@@ -243,32 +241,11 @@ class MetricsWriter:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         kept = [line for line in lines if _round_of(line) is not None and _round_of(line) < round]
         if len(kept) < len(lines):
-            write_text_atomic(path, "".join(line + "\n" for line in kept), durable=True)
+            write_atomic(path, "".join(line + "\n" for line in kept))
         return len(lines) - len(kept)
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
-        return write_json_atomic(self.run_dir / SUMMARY_FILE, summary)
-
-
-def write_json_atomic(path: Path, data: Any, durable: bool = False) -> Path:
-    """Write JSON to ``path`` through a temp file and a rename."""
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", durable)
-
-
-def write_text_atomic(path: Path, text: str, durable: bool = False) -> Path:
-    """Write through ``.NAME.tmpPID`` and a rename; ``durable``: fsynced before the rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+        return write_atomic(self.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
 def _round_of(line: str) -> int | None:

@@ -30,6 +30,10 @@ class WorkerRecord:
     hostname: str = ""
     device: str = ""
     live: bool = False  # joined (or reclaimed) since this coordinator process started
+    # joined (or reclaimed) in this process, dead or not: a call from a worker that has not
+    # is refused, so that it joins again (its channel reconnected to a resumed coordinator
+    # on its own, and it would go on from a round the resumed run has not reached)
+    joined: bool = False
     dead: bool = False  # its Rounds stream was gone for coordinator.liveness_s: the slot is free
     state_fetches: int = 0
     cert: str | None = None  # sha256 of the certificate it joined with (mutual TLS)
@@ -64,7 +68,7 @@ class WorkerRegistry:
         else:
             record = self._record_of_certificate(cert) or self._new_record()
         record.hostname, record.device, record.live, record.dead = hostname, device, True, False
-        record.cert = record.cert or cert
+        record.cert, record.joined = record.cert or cert, True
         return record
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:

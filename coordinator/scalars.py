@@ -8,8 +8,8 @@ from pathlib import Path
 
 from geoloco.config import ConfigError
 from geoloco.coordinator.metrics import RoundMetrics
+from geoloco.run_dir import TENSORBOARD_DIR
 
-TENSORBOARD_DIR = "tensorboard"
 # scalar tag -> RoundMetrics attribute (None values are left out)
 SCALARS = {
     "loss/val": "val_loss", "loss/train": "train_loss", "inner/lr": "lr",

@@ -266,6 +266,11 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                     self.state.mark_finish_delivered(worker)
 
             context.add_callback(on_end)
+            if request.from_round < self.state.open_round() and (
+                    not backlog or backlog[0].round > request.from_round):
+                context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                              f"the result of round {request.from_round} is no longer held; "
+                              "fetch the state")
             log.info("worker %d follows rounds from %d (%d held results replayed)", worker,
                      request.from_round, len(backlog))
             yield from self._follow(worker, sub, backlog, context, last_sent)

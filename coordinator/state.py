@@ -4,6 +4,7 @@ behind one lock (round protocol: docs/protocol.md)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -18,11 +19,12 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, encode_dense
-from geoloco.coordinator.metrics import RunTotals, write_json_atomic
+from geoloco.coordinator.metrics import RunTotals
 from geoloco.coordinator.outer import Update, apply_update
-from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
+from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
 from geoloco.replica import param_digest
+from geoloco.run_dir import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -106,15 +108,23 @@ class CoordinatorState:
         if self.registry_file is None:
             return
         try:
-            write_json_atomic(self.registry_file, {str(i): d for i, d in self.registry.to_dict().items()},
-                              durable=True)
+            records = {str(i): d for i, d in self.registry.to_dict().items()}
+            write_atomic(self.registry_file, json.dumps(records, indent=2, sort_keys=True) + "\n")
         except OSError as exc:
             log.error("worker registry not saved to %s (%s); the next Join tries again",
                       self.registry_file, exc.strerror or exc)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
+        """The caller's record (registry.authenticate). A worker that has not joined this
+        coordinator process is told UNAVAILABLE, so that it joins again: after a --resume
+        its gRPC channel reconnects on its own, and its session, restored from
+        registry.json, is still good, but the run went back to the checkpoint's round."""
         with self.lock:
-            return self.registry.authenticate(worker_id, session, cert)
+            record = self.registry.authenticate(worker_id, session, cert)
+            if not record.joined:
+                raise RegistryError("UNAVAILABLE", f"worker {worker_id}: this coordinator was "
+                                    "restarted since your Join; join again (reclaim_worker_id)")
+            return record
 
     def snapshot(self, record: WorkerRecord) -> StateSnapshot:
         """The parameters at the current round's start (the worker counts as ready)."""
@@ -276,15 +286,18 @@ class CoordinatorState:
             closed.digest.set_exception(exc)
             raise
 
-    def wait_finish_delivered(self, limit_s: float) -> None:
-        """Until every live worker has the finished run's last result, for ``limit_s``; a
-        worker without a Rounds stream for liveness_s is marked dead here too, not waited for."""
+    def wait_finish_delivered(self, limit_s: float, every: int | None = None) -> None:
+        """Until every live worker has the finished run's last result, for ``limit_s``;
+        with ``every``, until that many workers have it (a resumed run that replayed its
+        last round: the workers that had it already do not come back). A worker without a
+        Rounds stream for liveness_s is marked dead here too, not waited for."""
         deadline = time.monotonic() + limit_s
         with self.lock:
             while not self.stopping and time.monotonic() < deadline:
                 self.check_liveness()
                 live = {i for i, r in self.registry.records.items() if r.live}
-                if live <= self.delivered_finish:
+                if (len(self.delivered_finish) >= every if every is not None
+                        else live <= self.delivered_finish):
                     return
                 self.lock.wait(timeout=FINISH_POLL_S)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from geoloco.run_dir import write_atomic
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 COORDINATOR_CERT, COORDINATOR_KEY = "coordinator.pem", "coordinator.key"
@@ -46,7 +47,7 @@ class Issued:
         write_private(key_path, self.key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption()))
-        cert_path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        write_atomic(cert_path, self.cert.public_bytes(serialization.Encoding.PEM))
 
     @classmethod
     def read(cls, cert_path: Path, key_path: Path) -> Issued:
@@ -58,11 +59,7 @@ class Issued:
 
 def write_private(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically, mode 0600 from the first byte."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    write_atomic(path, data, mode=PRIVATE_MODE)
 
 
 def make_ca(name: str = "geoloco run CA", days: int = DEFAULT_DAYS) -> Issued:

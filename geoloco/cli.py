@@ -174,6 +174,7 @@ def _add_coordinator(sub: Any) -> None:
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics and checkpoints go")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
+    p.add_argument("--crash-at", metavar="STAGE:ROUND", help=argparse.SUPPRESS)  # exactly-once tests
     _run_dir_flags(p)
     _metrics_flags(p)
     _security(p, "coordinator")
@@ -303,7 +304,12 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.coordinator.app import run_coordinator
 
-    return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume, overwrite=args.overwrite)
+    crash_at = None
+    if args.crash_at:  # the test seam: SIGKILL at "decision:R" or "broadcast:R"
+        stage, _, round_ = args.crash_at.partition(":")
+        crash_at = (stage, int(round_))
+    return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume, overwrite=args.overwrite,
+                           crash_at=crash_at)
 
 
 def _run_worker(args: argparse.Namespace) -> int:

@@ -26,14 +26,25 @@ from geoloco.config import RunConfig, load_config, validate
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 from geoloco.progress import RunProgress, make_progress, number, size
-from geoloco.run_dir import COORDINATOR_OUTPUTS, claim_run_dir
+from geoloco.run_dir import (
+    CERTS_DIR,
+    CONFIG_FILE,
+    COORDINATOR_OUTPUTS,
+    LOGS_DIR,
+    METRICS_FILE,
+    METRICS_PORT_FILE,
+    PORT_FILE,
+    SUMMARY_FILE,
+    WORKER_STATE_DIR,
+    WORKERS_DIR,
+    claim_run_dir,
+    worker_state_dir,
+    write_atomic,
+)
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 
 log = logging.getLogger(__name__)
 
-PORT_FILE = "coordinator.port"
-METRICS_PORT_FILE = "metrics.port"
-CERTS_DIR = "certs"  # the run's CA, certificates and token, made afresh for every run
 START_TIMEOUT_S = 120.0  # coordinator start-up (imports, task build) and each worker's join
 WARMUP_TIMEOUT_S = 900.0  # compiling the codec kernels (about a minute on two idle cores)
 POLL_S = 0.25
@@ -42,7 +53,7 @@ LOG_TAIL_LINES = 30
 COORDINATOR_STOP_S = 120.0  # a stopping coordinator writes its checkpoint and summary first
 EXIT_FAILED = 1
 # what `local` writes in the run dir beside the coordinator's files (--overwrite removes it)
-LOCAL_OUTPUTS = (*COORDINATOR_OUTPUTS, "logs", "workers", CERTS_DIR, "config.json")
+LOCAL_OUTPUTS = (*COORDINATOR_OUTPUTS, LOGS_DIR, WORKERS_DIR, WORKER_STATE_DIR, CERTS_DIR, CONFIG_FILE)
 
 
 class LaunchError(RuntimeError):
@@ -85,16 +96,16 @@ class RunResult:
     @property
     def metrics_path(self) -> Path:
         """One JSON line per round (geoloco.coordinator.metrics)."""
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / METRICS_FILE
 
     @property
     def summary_path(self) -> Path:
-        return self.run_dir / "summary.json"
+        return self.run_dir / SUMMARY_FILE
 
     @property
     def logs_dir(self) -> Path:
         """One log per process."""
-        return self.run_dir / "logs"
+        return self.run_dir / LOGS_DIR
 
     @property
     def checkpoints(self) -> list[Path]:
@@ -126,6 +137,12 @@ def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
     cfg = as_config(config)
     claim_run_dir(cfg.run_dir, resume, overwrite, LOCAL_OUTPUTS)
     run = LocalRun(cfg, stall_timeout_s, progress, resume)
+    done = checkpoint.latest_round(run.run_dir) if resume else None
+    if done is not None and done >= cfg.rounds:  # the coordinator would say so and exit at once
+        run.progress.close()
+        print(f"all {cfg.rounds} rounds of the run in {run.run_dir} are done (checkpoint of "
+              f"round {done}): nothing to resume; raise `rounds` to train on", flush=True)
+        return RunResult(0, run.run_dir, run.read_summary())
     # The children ignore SIGINT (they inherit it ignored): a Ctrl-C on the terminal reaches
     # the whole process group, and only this launcher acts on it, with one SIGTERM each.
     with StopSignals(on_force=run.kill, keep_ignored=False) as signals:
@@ -228,20 +245,20 @@ class LocalRun:
             shutil.rmtree(self.certs, ignore_errors=True)
         for name in (PORT_FILE, METRICS_PORT_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
-        for stale in (self.run_dir / "workers").glob("*"):
+        for stale in (self.run_dir / WORKERS_DIR).glob("*"):
             if stale.is_file():
                 stale.unlink()
         if self.resume:  # the rounds done before are not shown again
             self.last_shown = max((m["round"] for m in _metrics_lines(self.run_dir)), default=-1)
-        for sub in ("logs", "workers"):
+        for sub in (LOGS_DIR, WORKERS_DIR):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         certs.make_run_credentials(self.certs, None, self.cfg.workers)
         config = self.cfg.to_dict()  # without the token
         config["coordinator"]["listen"] = "127.0.0.1:0"
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_atomic(self.run_dir / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def _start_coordinator(self) -> int:
-        args = ["coordinator", "--config", str(self.run_dir / "config.json"),
+        args = ["coordinator", "--config", str(self.run_dir / CONFIG_FILE),
                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir),
                 "--resume" if self.resume else "--overwrite",  # run_local checked the run dir
                 "--token-file", str(self.certs / certs.TOKEN_FILE),
@@ -262,8 +279,14 @@ class LocalRun:
                 "--tls-key", str(self.certs / certs.worker_key(i)),
                 "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
-                "--report-dir", str(self.run_dir / "workers"),
-                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}"), *self._worker_metrics_args(i)]
+                "--report-dir", str(self.run_dir / WORKERS_DIR),
+                "--state-dir", str(worker_state_dir(self.run_dir, i)), *self._state_every_args(),
+                "--wait-for", str(self.run_dir / WORKERS_DIR / f"gate-{i}"), *self._worker_metrics_args(i)]
+
+    def _state_every_args(self) -> list[str]:
+        """worker.state_every of the run config, for the workers' own saves."""
+        every = self.cfg.worker.state_every
+        return [] if every is None else ["--set", f"worker.state_every={every}"]
 
     def _worker_metrics_args(self, i: int) -> list[str]:
         """Worker i's /metrics: monitoring.worker_metrics_port + i, or a free port for 0."""
@@ -276,15 +299,15 @@ class LocalRun:
     def _admit(self, i: int) -> None:
         """Open worker i's gate and wait for its join, so worker ids follow process order and
         each worker's relay carries its own per-worker link profile."""
-        (self.run_dir / "workers" / f"gate-{i}").touch()
-        report = self.run_dir / "workers" / f"worker-{i}.json"
+        (self.run_dir / WORKERS_DIR / f"gate-{i}").touch()
+        report = self.run_dir / WORKERS_DIR / f"worker-{i}.json"
         self._wait(report.exists, f"worker process {i} to join")
         pid = json.loads(report.read_text())["pid"]
         if pid != self.workers[i].proc.pid:
             raise LaunchError(f"worker process {i} (pid {self.workers[i].proc.pid}) got another id than {i}")
 
     def _spawn(self, name: str, args: list[str]) -> Child:
-        path = self.run_dir / "logs" / f"{name}.log"
+        path = self.run_dir / LOGS_DIR / f"{name}.log"
         out = open(path, "ab" if self.resume else "wb")  # noqa: SIM115 - closed in stop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for var in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS"):  # one thread per process by default
@@ -334,7 +357,7 @@ class LocalRun:
                                   f"{child.tail()}")
 
     def _print_new_rounds(self) -> bool:
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / METRICS_FILE
         if not path.exists():
             return False
         if path.stat().st_size < self.metrics_offset:  # a resumed coordinator dropped redone rounds
@@ -384,13 +407,13 @@ class LocalRun:
         return [c for c in [self.coordinator, self.warmup, *self.workers] if c is not None]
 
     def read_summary(self) -> dict[str, Any]:
-        path = self.run_dir / "summary.json"
+        path = self.run_dir / SUMMARY_FILE
         return json.loads(path.read_text()) if path.exists() else {}
 
     def report(self) -> dict[str, Any]:
         """Add the workers' digest checks and the relays' bytes to summary.json; print it,
         and return it."""
-        summary_path = self.run_dir / "summary.json"
+        summary_path = self.run_dir / SUMMARY_FILE
         summary = self.read_summary()
         workers = self.worker_reports()
         summary["digest_mismatches"] = sum(w.get("digest_mismatches", 0) for w in workers)
@@ -398,14 +421,12 @@ class LocalRun:
         summary["worker_final_digests"] = {str(w["worker_id"]): w.get("digest") for w in workers}
         summary["relay_bytes"] = {str(i): {"up": r.bytes_up, "down": r.bytes_down} for i, r in enumerate(self.relays)}
         summary.setdefault("wall_seconds", time.monotonic() - self.started)
-        tmp = summary_path.with_name(".summary.json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        tmp.replace(summary_path)
+        write_atomic(summary_path, json.dumps(summary, indent=2, sort_keys=True) + "\n")
         print(summary_table(summary, workers, self.run_dir), flush=True)
         return summary
 
     def worker_reports(self) -> list[dict[str, Any]]:
-        paths = sorted((self.run_dir / "workers").glob("worker-*.json"))
+        paths = sorted((self.run_dir / WORKERS_DIR).glob("worker-*.json"))
         return [json.loads(p.read_text()) for p in paths]
 
 
@@ -422,7 +443,7 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def _metrics_lines(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     text = path.read_text() if path.exists() else ""
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 

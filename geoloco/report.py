@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from geoloco.progress import number, size
+from geoloco.run_dir import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, write_atomic
 
 REPORT_DIR = "report"
 REPORT_FILE = "report.md"
@@ -39,7 +40,7 @@ class Run:
 
     @classmethod
     def load(cls, path: Path, name: str | None = None) -> Run:
-        metrics = path / "metrics.jsonl"
+        metrics = path / METRICS_FILE
         if not metrics.is_file():
             raise ReportError(f"{path}: no metrics.jsonl (is it a run directory?)")
         try:
@@ -48,8 +49,8 @@ class Run:
             raise ReportError(f"{metrics}: line {exc.lineno} is not JSON ({exc.msg})") from None
         if not rounds:
             raise ReportError(f"{metrics}: no round has closed yet")
-        return cls(name or path.resolve().name, path, rounds, _read_json(path / "config.json"),
-                   _read_json(path / "summary.json"))
+        return cls(name or path.resolve().name, path, rounds, _read_json(path / CONFIG_FILE),
+                   _read_json(path / SUMMARY_FILE))
 
     @property
     def elapsed(self) -> list[float]:
@@ -92,7 +93,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None, labels: list[str
                         "round time and its limit": plot_round_time(plt, r, out / f"{_slug(r.name)}-round-time.png")}
                for r in runs}
     report = out / REPORT_FILE
-    report.write_text(markdown(runs, images, per_run, out))
+    write_atomic(report, markdown(runs, images, per_run, out), durable=False)
     return report
 
 

@@ -22,6 +22,9 @@ BACKOFF_START_S = 0.5  # first retry delay of Join; doubles up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 10.0
 JOIN_CALL_TIMEOUT_S = 10.0  # one Join attempt; a dead address fails much faster
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Join retries these too: every slot is taken (a new worker waits for one to be marked dead),
+# or the coordinator holds this caller to its share of Joins for a while
+JOIN_RETRYABLE = (*RETRYABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -65,7 +68,12 @@ class AddressError(ValueError):
 
 
 class JoinRefused(RuntimeError):
-    """The coordinator answered Join with an error (wrong token, no free slot, run over)."""
+    """The coordinator answered Join with an error (wrong token, no free slot, run over);
+    ``code``: the gRPC status name, when the coordinator sent one."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class CoordinatorUnreachable(RuntimeError):
@@ -108,10 +116,11 @@ def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeo
                       sleep: Callable[[float], None] = time.sleep,
                       security: ChannelSecurity | None = None) -> tuple[Reply, grpc.Channel]:
     """Call ``join(channel)`` on a fresh channel to ``address`` until it answers, retrying
-    UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff (BACKOFF_START_S doubling
-    to BACKOFF_MAX_S, one log line per attempt) for up to ``timeout_s``. Returns the reply
-    and the open channel that got it. Any other error raises JoinRefused; running out of
-    time raises CoordinatorUnreachable."""
+    UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (no free slot yet) with
+    exponential backoff (BACKOFF_START_S doubling to BACKOFF_MAX_S, one log line per
+    attempt) for up to ``timeout_s``. Returns the reply and the open channel that got it.
+    Any other error raises JoinRefused; running out of time raises CoordinatorUnreachable,
+    or JoinRefused when the last answer was RESOURCE_EXHAUSTED."""
     start, delay, attempt = time.monotonic(), BACKOFF_START_S, 0
     while True:
         attempt += 1
@@ -120,11 +129,14 @@ def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeo
             return join(channel), channel
         except grpc.RpcError as exc:
             channel.close()
-            if exc.code() not in RETRYABLE:
-                raise JoinRefused(f"coordinator at {address} refused Join: "
-                                  f"{exc.code().name}: {exc.details()}") from None
+            refused = JoinRefused(f"coordinator at {address} refused Join: "
+                                  f"{exc.code().name}: {exc.details()}", exc.code().name)
+            if exc.code() not in JOIN_RETRYABLE:
+                raise refused from None
             elapsed = time.monotonic() - start
             left = timeout_s - elapsed
+            if left <= 0 and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise refused from None
             if left <= 0:
                 raise CoordinatorUnreachable(
                     f"coordinator at {address} unreachable after {attempt} attempts in "

@@ -31,6 +31,7 @@ from geoloco.links import tc
 from geoloco.profiles import LinkProfile, LinkProfileError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
+from geoloco.run_dir import write_atomic
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused
 
@@ -53,17 +54,13 @@ class Identity:
         """Write atomically as JSON, readable by its owner only; hand the file to ``owner``
         (a user name) if given."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(self.__dict__, indent=2) + "\n")
+        write_atomic(path, json.dumps(self.__dict__, indent=2) + "\n", mode=0o600)
         if owner is not None:
             import pwd
 
             user = pwd.getpwnam(owner)
-            os.chown(tmp, user.pw_uid, user.pw_gid)
+            os.chown(path, user.pw_uid, user.pw_gid)
             os.chown(path.parent, user.pw_uid, user.pw_gid)
-        os.replace(tmp, path)
 
 
 def join_coordinator(address: str, token: str, timeout_s: float = 120.0,

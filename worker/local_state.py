@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from geoloco.compression import Compressor
+from geoloco.run_dir import write_atomic
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+PRIVATE_MODE = 0o600  # the worker's files in --state-dir are its own
 
 
 class LocalStateError(ValueError):
@@ -29,8 +30,8 @@ def state_path(state_dir: Path, worker_id: int) -> Path:
 
 
 def save(path: Path, training: Any, round_: int) -> None:
-    """Write ``training``'s state at the start of ``round_`` to ``path`` (a temporary file,
-    fsynced, renamed into place)."""
+    """Write ``training``'s state at the start of ``round_`` to ``path`` (write_atomic,
+    readable by its owner only)."""
     trainer, compressor = training.trainer, training.encoder.compressor
     state = {
         "format_version": FORMAT_VERSION,
@@ -46,16 +47,7 @@ def save(path: Path, training: Any, round_: int) -> None:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, buffer.getbuffer(), mode=PRIVATE_MODE)
 
 
 def load(path: Path, training: Any) -> int:

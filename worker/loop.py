@@ -23,16 +23,18 @@ from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
 from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import param_digest, replica_layout
+from geoloco.run_dir import write_atomic
 from geoloco.tasks import build_task
 from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker import local_state
 from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.identity import IdentityStore
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
-from geoloco.worker.stream import DigestCheck, Disconnected, RoundResult
+from geoloco.worker.stream import Behind, DigestCheck, Disconnected, RoundResult
 from geoloco.worker.trainer import (
     InnerStep,
     InnerTrainer,
@@ -130,6 +132,7 @@ class Worker:
         self.max_resyncs = max_resyncs  # give up if the replica keeps diverging
         self.training: Training | None = None  # built at the first Join
         self.state_dir = state_dir  # the worker's own state goes there (None: nowhere)
+        self.identities = IdentityStore(state_dir) if state_dir is not None else None
         self.state_every = state_every  # rounds between saves; None: measured (STATE_COST_SHARE)
         self.state_interval = 1  # the measured one
         self.state_saved_round = -1
@@ -139,6 +142,7 @@ class Worker:
         self.task: pb.WorkerTask | None = None  # None: θ is not known to be the coordinator's
         self.check: DigestCheck | None = None  # of θ, while it runs beside the inner loop
         self.outbox: Push | None = None  # this round's frame, kept to push again after a reconnect
+        self.trained: Trained | None = None  # this round's training while θ awaits its confirmation
         self.apply_s = 0.0  # applying the last round result (reported in the next Push)
         self.counters = Counters()
 
@@ -157,6 +161,9 @@ class Worker:
             while not finished:
                 try:
                     finished = self.play_round()
+                except Behind as exc:
+                    self.task = None  # the result it waits for is gone: fetch the state
+                    self.reconnect(str(exc))
                 except Disconnected as exc:
                     self.reconnect(str(exc))
         except (Stopped, TrainingStopped):
@@ -183,11 +190,14 @@ class Worker:
             raise Stopped("stop() was called")
         result = self.session.poll_result(self.round)
         if result is None and self.outbox is None and self.has_work():
-            trained = self.train()
+            # kept across a reconnect that left θ as it was: the data and AdamW went on once
+            trained = self.trained or self.train()
+            self.trained = trained
             if not self.confirm():
+                self.trained = None
                 return False
             self.emulate_straggler(trained)
-            self.outbox = self.encode(trained)
+            self.outbox, self.trained = self.encode(trained), None
             result = self.session.poll_result(self.round)
         if result is None and self.outbox is not None:
             self.push(self.outbox)
@@ -311,6 +321,8 @@ class Worker:
         """θ ← the coordinator's parameters, checked against their digest; take the task of
         its open round."""
         self.release_check()
+        if self.trained is not None and (state.round != self.round or state.digest != param_digest(self.theta)):
+            self.trained = None  # trained from another θ
         dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
         for t, v in zip(self.theta, dense, strict=True):
             t.copy_(v.reshape(t.shape))
@@ -331,7 +343,7 @@ class Worker:
         """Join (or rejoin with the same id); fetch the state unless θ is confirmed and at the
         coordinator's open round; follow the Rounds stream from θ's round."""
         rejoining = self.session.worker_id is not None
-        reply = self.session.join(describe_device(self.device))
+        reply = self.join()
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
             self.training = Training.from_join(reply, self.device, self.precision, self.inner_step)
@@ -340,9 +352,35 @@ class Worker:
             self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
-        if reply.current_round != self.round or self.task is None:
+        # a coordinator ahead holds the results θ lacks (else the stream says Behind): they
+        # are applied as they were broadcast, so this worker's own frame is settled too
+        if reply.current_round < self.round or self.task is None:
             self.fetch_state()
         self.session.follow(self.round, self.training.layout)
+
+    def join(self) -> pb.JoinReply:
+        """Session.join; a new process first takes the identity saved in state_dir by a
+        worker process that is gone, so it gets that slot back at once. An identity the
+        coordinator refuses (its slot went to another worker, or another run) is dropped for
+        a plain Join. Every Join's identity is saved for the next restart."""
+        device = describe_device(self.device)
+        claimed = self.identities.claim() if self.identities and self.session.worker_id is None else None
+        if claimed is not None:
+            log.info("reclaiming worker %d, the identity saved in %s", claimed[0], self.state_dir)
+            self.session.worker_id, self.session.secret = claimed
+        try:
+            reply = self.session.join(device)
+        except JoinRefused as exc:
+            if claimed is None or exc.code != "UNAUTHENTICATED":
+                raise
+            log.warning("the saved identity of worker %d was refused (%s); joining as a new worker",
+                        claimed[0], exc)
+            self.identities.forget(claimed[0])
+            self.session.worker_id, self.session.secret = None, ""
+            reply = self.session.join(device)
+        if self.identities is not None:
+            self.identities.save(reply.worker_id, reply.session)
+        return reply
 
     def restore_local_state(self) -> None:
         """After the first Join: the state this worker id saved in state_dir, if any; else
@@ -426,6 +464,4 @@ class Worker:
                   **asdict(self.counters)}
         path = Path(self.report_dir) / f"worker-{self.session.worker_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(report, indent=2), durable=False)

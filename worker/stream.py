@@ -28,6 +28,11 @@ class Disconnected(Exception):
     """The Rounds stream ended or broke, or a call failed with UNAVAILABLE: rejoin and resync."""
 
 
+class Behind(Disconnected):
+    """The coordinator no longer holds the round result this worker waits for: rejoin and
+    fetch the state."""
+
+
 @dataclass
 class RoundResult:
     """One closed round as the coordinator broadcast it. It is handed over as soon as its
@@ -103,6 +108,9 @@ class RoundsFollower:
             reason = "the coordinator closed the Rounds stream"
         except grpc.RpcError as exc:
             reason = f"Rounds stream broke: {exc.code().name} {exc.details()}"
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:
+                self._results.put(Behind(reason))
+                return
         except ValueError as exc:
             reason = f"Rounds stream is malformed: {exc}"
         except Exception as exc:  # noqa: BLE001 - the main thread must not wait forever

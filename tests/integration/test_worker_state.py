@@ -61,7 +61,7 @@ def test_a_restarted_worker_restores_its_own_state(processes: Processes, tmp_pat
     finished = worker_reports(reports)
     assert finished[1]["pid"] == processes.procs["restarted"].pid
     assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values())
-    assert sorted(p.name for p in state_dir.iterdir()) == ["worker-0.state.pt", "worker-1.state.pt"]
+    assert sorted(p.name for p in state_dir.glob("*.state.pt")) == ["worker-0.state.pt", "worker-1.state.pt"]
 
 
 def test_a_state_file_saved_for_other_data_or_another_model_is_ignored(processes: Processes,

@@ -1,0 +1,80 @@
+"""A restarted worker proves it is the same worker, against real processes: SIGKILLed and
+started again on its own --state-dir, faster than coordinator.liveness_s (its slot still
+held) or slower (its slot marked dead), it reclaims its id at once with the secret saved
+there (0600; the coordinator keeps only its sha256), restores its error feedback, AdamW
+state and data positions, and every replica finishes on the coordinator's digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import stat
+from pathlib import Path
+
+import pytest
+from run_processes import (
+    SMALL,
+    Processes,
+    coordinator_port,
+    final_coordinator_digest,
+    metrics,
+    set_flags,
+    wait_until,
+    worker_reports,
+)
+
+pytestmark = pytest.mark.slow
+ROUNDS = 40
+FAST = {**SMALL, "task.seq_len": "16", "task.batch_size": "4", "inner.steps": "4",
+        "inner.warmup_steps": "2", "coordinator.deadline_s": "600", "coordinator.checkpoint_every": "0"}
+LINK = "unlimited/100ms"  # each worker's own relay: rounds last long enough for a restart
+
+
+@pytest.mark.parametrize("restart", ["faster", "slower"])
+def test_a_restarted_worker_gets_its_slot_back_at_once(processes: Processes, tmp_path: Path,
+                                                       restart: str) -> None:
+    run_dir, reports = tmp_path / "run", tmp_path / "reports"
+    liveness = "600" if restart == "faster" else "3"
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
+                                    "--rounds", str(ROUNDS), "--run-dir", str(run_dir),
+                                    *set_flags({**FAST, "coordinator.liveness_s": liveness})])
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
+
+    def start_worker(name: str, state_dir: Path) -> None:
+        processes.start(name, ["worker", "--coordinator", address, "--device", "cpu",
+                               "--connect-timeout", "120", "--report-dir", str(reports),
+                               "--state-dir", str(state_dir), "--wan-emulate", LINK,
+                               *set_flags({"worker.state_every": "1"})])
+
+    for i in range(2):
+        start_worker(f"worker-{i}", tmp_path / f"state-{i}")
+    wait_until(lambda: len(metrics(run_dir)) >= 3, 180, "three rounds")
+    victim = next(n for n, p in processes.procs.items() if p.pid == worker_reports(reports)[1]["pid"])
+    state_dir = tmp_path / f"state-{victim[-1]}"
+    processes.kill(victim)
+    if restart == "slower":
+        wait_until(lambda: "worker 1 has had no Rounds stream" in processes.log("coordinator"), 60,
+                   "worker 1 to be marked dead")
+    start_worker("restarted", state_dir)
+
+    assert processes.wait("coordinator", timeout=300) == 0, processes.log("coordinator")[-3000:]
+    for name in processes.procs:
+        if name != victim:
+            assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
+    log = processes.log("restarted")
+    assert "reclaiming worker 1" in log and "rejoined as worker 1" in log
+    assert "restored the local state of round" in log
+    coordinator_log = processes.log("coordinator")
+    assert "worker 1 reclaimed its id" in coordinator_log
+    if restart == "faster":
+        assert "marked dead" not in coordinator_log
+    identity = state_dir / "worker-1.identity.json"
+    assert stat.S_IMODE(identity.stat().st_mode) == 0o600
+    secret = json.loads(identity.read_text())["session"]
+    registry = (run_dir / "registry.json").read_text()
+    assert secret not in registry and hashlib.sha256(secret.encode()).hexdigest() in registry
+    _, digest = final_coordinator_digest(run_dir)
+    finished = worker_reports(reports)
+    assert finished[1]["pid"] == processes.procs["restarted"].pid
+    assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values())
+    assert [m["round"] for m in metrics(run_dir)] == list(range(ROUNDS))

@@ -1,0 +1,72 @@
+"""Exactly once across coordinator kills, against real processes: a coordinator SIGKILLed
+between a round's logged decision and its broadcast, or between the broadcast and its own
+apply, resumes with --resume, replays the rounds of its round log after the checkpoint
+instead of redoing them, and the run ends on the same final parameters, bit for bit, as the
+undisturbed run of the same seed: every replica applies each round once, and each round is
+in metrics.jsonl once. Killed after the last round's decision, the resumed run replays it,
+hands it to the workers that rejoin for it, and ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from run_processes import (
+    SMALL,
+    Processes,
+    final_coordinator_digest,
+    free_port,
+    metrics,
+    set_flags,
+    worker_reports,
+)
+
+pytestmark = pytest.mark.slow
+WORKERS, ROUNDS, KILLED_ROUND = 2, 6, 3
+FAST = {**SMALL, "task.seq_len": "16", "task.batch_size": "4", "inner.steps": "4",
+        "inner.warmup_steps": "2", "coordinator.checkpoint_every": "2",
+        "coordinator.deadline_s": "300"}
+
+
+def run(processes: Processes, tmp_path: Path, name: str, crash_at: str | None,
+        killed_round: int = KILLED_ROUND) -> str:
+    """One run of the seed; with ``crash_at`` its coordinator kills itself there and is
+    resumed. Returns the final digest, after checking each replica and metrics line."""
+    run_dir, reports = tmp_path / f"run-{name}", tmp_path / f"reports-{name}"
+    listen = f"127.0.0.1:{free_port()}"
+    args = ["coordinator", "--listen", listen, "--workers", str(WORKERS), "--rounds", str(ROUNDS),
+            "--run-dir", str(run_dir), *set_flags(FAST)]
+    processes.start(f"{name}-coordinator", [*args, *(["--crash-at", crash_at] if crash_at else [])])
+    for i in range(WORKERS):
+        processes.start(f"{name}-worker-{i}", ["worker", "--coordinator", listen, "--device", "cpu",
+                                               "--connect-timeout", "120", "--report-dir", str(reports)])
+    if crash_at is not None:
+        assert processes.wait(f"{name}-coordinator", timeout=240) == -9
+        assert f"crash point {crash_at.replace(':', ' of round ')}" in processes.log(f"{name}-coordinator")
+        processes.start(f"{name}-resumed", [*args, "--resume"])
+        assert processes.wait(f"{name}-resumed", timeout=240) == 0, processes.log(f"{name}-resumed")[-3000:]
+        assert f"round {killed_round} replayed from the round log" in processes.log(f"{name}-resumed")
+    else:
+        assert processes.wait(f"{name}-coordinator", timeout=240) == 0
+    for i in range(WORKERS):
+        assert processes.wait(f"{name}-worker-{i}", timeout=60) == 0, processes.log(f"{name}-worker-{i}")[-3000:]
+    assert [m["round"] for m in metrics(run_dir)] == list(range(ROUNDS))
+    round_, digest = final_coordinator_digest(run_dir)
+    assert round_ == ROUNDS
+    finished = worker_reports(reports)
+    assert sorted(finished) == list(range(WORKERS))
+    for report in finished.values():
+        assert report["status"] == "finished" and report["digest"] == digest
+        assert report["rounds_applied"] == ROUNDS and report["resyncs"] == 0  # each round once
+    return digest
+
+
+def test_a_coordinator_killed_between_decision_broadcast_and_apply_ends_bit_identical(
+        processes: Processes, tmp_path: Path) -> None:
+    undisturbed = run(processes, tmp_path, "undisturbed", None)
+    for stage in ("decision", "broadcast"):
+        assert run(processes, tmp_path, stage, f"{stage}:{KILLED_ROUND}") == undisturbed, stage
+    # the last round's decision logged, not broadcast: the resumed run replays it, the
+    # workers that wait for it rejoin and get it, and the run ends
+    last = ROUNDS - 1
+    assert run(processes, tmp_path, "last", f"decision:{last}", last) == undisturbed
