@@ -92,8 +92,7 @@ class JoinLimiter:
                 if bucket is not None and bucket.tokens < 1.0:
                     self.refused += 1
                     wait = (1.0 - bucket.tokens) / self.per_s
-                    raise LimitExceeded(f"too many failed joins from this {_kind(key)}; "
-                                        f"try again in {wait:.0f}s")
+                    raise LimitExceeded(f"too many failed joins from {key}; try again in {wait:.0f}s")
 
     def failed(self, *keys: str) -> None:
         """Spend one failed Join of each of ``keys``."""
@@ -113,10 +112,6 @@ class JoinLimiter:
             bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
             bucket.at = now
         return bucket
-
-
-def _kind(key: str) -> str:
-    return "certificate" if key.startswith("cert:") else "address"
 
 
 class SourceGate:
