@@ -4,6 +4,7 @@ behind one lock (round protocol: docs/protocol.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -99,19 +100,22 @@ class CoordinatorState:
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
              reclaim_session: str, cert: str | None = None, *,
              cert_slot: int | None = None) -> tuple[WorkerRecord, int]:
-        """Register (or reclaim) a worker; returns its record and the current round once
+        """Register (or reclaim) a worker; returns a copy of its record holding the session
+        secret for the reply (the registry keeps only its hash) and the current round, once
         the registry is saved (off the lock)."""
         with self.lock:
             self.check_liveness()
             record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert,
                                         cert_slot=cert_slot)
             self.unfollowed_since[record.worker_id] = time.monotonic()
+            reply = dataclasses.replace(record)  # the one copy that holds the session secret:
+            record.session = ""  # the registry keeps its hash only
             self._registry_version += 1
             saved = self._registry_version, self.registry.to_dict()
             self.lock.notify_all()
             current = self.rs.round
         self.save_registry(*saved)
-        return record, current
+        return reply, current
 
     def save_registry(self, version: int, workers: dict[int, dict[str, Any]]) -> None:
         """The registry as of ``version`` to ``registry_file``, durably (a coordinator killed

@@ -139,6 +139,7 @@ def test_one_certificate_gets_one_slot_the_one_its_name_says(mtls, pki) -> None:
     with ch:
         assert stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S).worker_id == 0
     assert set(mtls.registry.records) <= {0, 1, 2}
+    assert not any(r.session for r in mtls.registry.records.values())  # hashes only, in memory too
 
 
 def rss_bytes() -> int:
