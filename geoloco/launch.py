@@ -263,7 +263,9 @@ class LocalRun:
                 "--device", self.cfg.worker.device, "--precision", self.cfg.worker.precision,
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / "workers"),
-                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}"), *self._worker_metrics_args(i)]
+                "--wait-for", str(self.run_dir / "workers" / f"gate-{i}"), *self._worker_metrics_args(i),
+                # its own coordinator: the run config's model and paths are this user's own
+                "--set", "worker.allow_config_code=true"]
 
     def _worker_metrics_args(self, i: int) -> list[str]:
         """Worker i's /metrics: monitoring.worker_metrics_port + i, or a free port for 0."""

@@ -65,3 +65,31 @@ def test_worker_ids_are_ascii_digits_of_bounded_length() -> None:
     assert [parse_worker_id(t) for t in ("0", "17", "123456789")] == [0, 17, 123456789]
     assert [parse_worker_id(t) for t in ("", "-1", "+1", "1e3", "\u00b2", "\u0661", "9" * 5000, "1234567890")] \
         == [None] * 8
+
+
+def test_a_worker_admits_code_and_paths_only_as_its_own_config_allows(tmp_path) -> None:
+    from geoloco.config import RunConfig
+    from geoloco.worker.admission import Admission, ConfigRefused
+
+    allowed = tmp_path / "data"
+    allowed.mkdir()
+    (allowed / "corpus.txt").write_text("x")
+    (allowed / "escape").symlink_to("/etc")
+    strict = Admission(allow_code=False, allowed_paths=(str(allowed),))
+
+    def cfg(**task) -> RunConfig:
+        c = RunConfig()
+        for k, v in task.items():
+            setattr(c.task, k, v)
+        return c
+
+    strict.check(cfg())  # a preset on the default corpus
+    strict.check(cfg(data=str(allowed / "corpus.txt"), tokenizer="train:300"))
+    for bad, field in [(cfg(model="os:system"), "code to run"), (cfg(model=f"{allowed}/m.py:make"), "code to run"),
+                       (cfg(data="/etc/passwd"), "task.data"), (cfg(data=str(allowed / "escape" / "passwd")), "task.data"),
+                       (cfg(tokenizer="/etc/tokenizer.json"), "task.tokenizer"), (cfg(model="hf:/srv/model"), "task.model")]:
+        with pytest.raises(ConfigRefused, match=field):
+            strict.check(bad)
+    with pytest.raises(ConfigRefused, match="straggler profile"):
+        strict.check(cfg(), straggler_profile="trace:/etc/shadow")
+    Admission(allow_code=True).check(cfg(model="os:system", data="/etc/passwd"))  # allowed locally
