@@ -57,9 +57,11 @@ class Issued:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, mode 0600 from the first byte."""
+    """Write ``data`` to ``path`` atomically, mode 0600 from the first byte, through a temp
+    file made anew (O_EXCL) and never through a link planted at its name (O_NOFOLLOW)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_MODE)
+    tmp.unlink(missing_ok=True)  # left by a cut-off write (a link is removed, not followed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_MODE)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

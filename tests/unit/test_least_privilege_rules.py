@@ -93,3 +93,18 @@ def test_a_worker_admits_code_and_paths_only_as_its_own_config_allows(tmp_path) 
     with pytest.raises(ConfigRefused, match="straggler profile"):
         strict.check(cfg(), straggler_profile="trace:/etc/shadow")
     Admission(allow_code=True).check(cfg(model="os:system", data="/etc/passwd"))  # allowed locally
+
+
+def test_private_files_are_never_written_through_a_planted_link(tmp_path) -> None:
+    import os
+
+    from geoloco.certs import write_private
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    target = tmp_path / "token"
+    (tmp_path / f".token.tmp{os.getpid()}").symlink_to(victim)
+    write_private(target, b"secret\n")
+    assert victim.read_text() == "keep me\n"
+    assert target.read_bytes() == b"secret\n" and not target.is_symlink()
+    assert (target.stat().st_mode & 0o777) == 0o600
