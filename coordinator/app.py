@@ -20,7 +20,7 @@ from geoloco.compression import Layout, on_huge_pages
 from geoloco.config import ConfigError, RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
-from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER
+from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER, UNAUTHENTICATED_AT_ONCE
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import MetricsWriter, RunTotals
 from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
@@ -28,11 +28,10 @@ from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
 from geoloco.coordinator.rounds import CodePolicy, RoundState
 from geoloco.coordinator.scalars import TensorBoardScalars
-from geoloco.coordinator.service import CoordinatorServicer
+from geoloco.coordinator.service import CoordinatorServicer, add_to_server
 from geoloco.coordinator.state import CoordinatorState
 from geoloco.metrics_server import MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.protos import geoloco_pb2_grpc
 from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.run_dir import (
     CHECKPOINT_DIR,
@@ -53,7 +52,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name  # geoloco.v1.Coordinator
 STOP_GRACE_S = 2.0  # in-flight calls get this long when the server stops
 LOOP_JOIN_S = 30.0  # how long stop() waits for the round loop to end
-SPARE_THREADS = 16  # beyond every worker's slots: health checks, Joins, calls refused at once
+SPARE_THREADS = 16  # beyond every worker's slots and the Joins: health checks, calls refused at once
 STOP_POLL_S = 0.2  # how often the main thread looks for a stop request
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -187,11 +186,12 @@ def serve(cfg: RunConfig, servicer: CoordinatorServicer, health_servicer: health
           credentials: grpc.ServerCredentials | None) -> tuple[grpc.Server, int]:
     """The started gRPC server of ``servicer`` and the health service on
     ``coordinator.listen`` (TLS with ``credentials``), and its port. The pool has a thread
-    for every worker's slots of every RPC and spares, so no caller starves health checks."""
-    threads = cfg.workers * len(RPCS) * STREAMS_PER_WORKER + SPARE_THREADS
+    for every worker's slots of every RPC, every open unauthenticated Join, and spares, so no
+    caller starves health checks."""
+    threads = cfg.workers * len(RPCS) * STREAMS_PER_WORKER + UNAUTHENTICATED_AT_ONCE + SPARE_THREADS
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grpc"),
                          options=transport.SERVER_OPTIONS)
-    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

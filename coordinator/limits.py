@@ -1,6 +1,7 @@
 """What one caller may hold of the coordinator's server: concurrent calls per worker and
-RPC, failed Joins per peer (a token bucket), and how long a stream may sit idle before its
-next message (docs/security.md, "Hostile clients")."""
+RPC, unauthenticated calls per source and in total, failed Joins per source and per
+certificate (token buckets), and how long a stream may sit idle before its next message
+(docs/security.md, "Hostile clients")."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ FAILED_JOINS_PER_S = 0.2  # ... and then one every 5 s
 FIRST_MESSAGE_S = 10.0  # a Push must send its header this soon after the call starts
 IDLE_MESSAGE_S = 60.0  # ... and each later chunk this soon after the one before
 LIMITER_PEERS = 10_000  # peers the Join limiter remembers (the oldest are forgotten)
+# Join is the one call a caller makes before it is authenticated: what it may hold then
+JOIN_REQUEST_BYTES = 16 << 10  # a JoinRequest's largest size (token, hostname, device, version)
+JOIN_REQUEST_S = 10.0  # a Join must have sent its request this soon after the call starts
+UNAUTHENTICATED_PER_SOURCE = 4  # Joins one source address may have open at once ...
+UNAUTHENTICATED_AT_ONCE = 16  # ... and all sources together
 RPCS = ("FetchState", "Push", "Rounds")
 
 
@@ -65,9 +71,11 @@ class _Bucket:
 
 
 class JoinLimiter:
-    """Failed Joins per peer (its certificate, else its address): a token bucket of
-    ``burst`` that refills at ``per_s``. A peer with an empty bucket is refused every
-    Join, right token or not, until it refills; so guessing the token costs time."""
+    """Failed Joins per key (the source address, and the certificate when there is one):
+    a token bucket of ``burst`` that refills at ``per_s``. Only a Join with a wrong token
+    is ever checked against it, so a caller with the right token is never refused: an
+    empty bucket turns a wrong token's PERMISSION_DENIED into a quiet RESOURCE_EXHAUSTED
+    (no log line), which bounds the log and the work a guesser causes."""
 
     def __init__(self, burst: int = FAILED_JOIN_BURST, per_s: float = FAILED_JOINS_PER_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -76,31 +84,72 @@ class JoinLimiter:
         self._lock = threading.Lock()
         self.refused = 0
 
-    def check(self, peer: str) -> None:
-        """LimitExceeded if ``peer`` has no failed Join left to spend."""
+    def check(self, *keys: str) -> None:
+        """LimitExceeded if any of ``keys`` has no failed Join left to spend."""
         with self._lock:
-            bucket = self._refill(peer)
-            if bucket is not None and bucket.tokens < 1.0:
-                self.refused += 1
-                wait = (1.0 - bucket.tokens) / self.per_s
-                raise LimitExceeded(f"too many failed joins from {peer}; try again in {wait:.0f}s")
+            for key in keys:
+                bucket = self._refill(key)
+                if bucket is not None and bucket.tokens < 1.0:
+                    self.refused += 1
+                    wait = (1.0 - bucket.tokens) / self.per_s
+                    raise LimitExceeded(f"too many failed joins from {key}; try again in {wait:.0f}s")
 
-    def failed(self, peer: str) -> None:
+    def failed(self, *keys: str) -> None:
+        """Spend one failed Join of each of ``keys``."""
         with self._lock:
-            bucket = self._refill(peer)
-            if bucket is None:
-                if len(self._buckets) >= LIMITER_PEERS:
-                    self._buckets.pop(next(iter(self._buckets)))
-                bucket = self._buckets[peer] = _Bucket(float(self.burst), self.clock())
-            bucket.tokens -= 1.0
+            for key in keys:
+                bucket = self._refill(key)
+                if bucket is None:
+                    if len(self._buckets) >= LIMITER_PEERS:
+                        self._buckets.pop(next(iter(self._buckets)))
+                    bucket = self._buckets[key] = _Bucket(float(self.burst), self.clock())
+                bucket.tokens -= 1.0
 
-    def _refill(self, peer: str) -> _Bucket | None:
-        bucket = self._buckets.get(peer)
+    def _refill(self, key: str) -> _Bucket | None:
+        bucket = self._buckets.get(key)
         if bucket is not None:
             now = self.clock()
             bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.at) * self.per_s)
             bucket.at = now
         return bucket
+
+
+class SourceGate:
+    """Calls not yet authenticated: at most ``per_source`` open at once from one source
+    address and ``total`` from all, so what unauthenticated callers hold (threads, and
+    the request bytes gRPC buffers for them) is bounded."""
+
+    def __init__(self, per_source: int = UNAUTHENTICATED_PER_SOURCE,
+                 total: int = UNAUTHENTICATED_AT_ONCE) -> None:
+        self.per_source, self.total = per_source, total
+        self._open: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+
+    def enter(self, source: str) -> AbstractContextManager[None]:
+        """Take a place for ``source`` now (LimitExceeded if none is free); leaving the
+        returned context gives it back."""
+        with self._lock:
+            if sum(self._open.values()) >= self.total:
+                raise LimitExceeded(f"{self.total} joins are open at once already; try again")
+            if self._open[source] >= self.per_source:
+                raise LimitExceeded(f"{self.per_source} joins from this address are open already; "
+                                    "try again")
+            self._open[source] += 1
+        return self._leave(source)
+
+    @contextmanager
+    def _leave(self, source: str) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[source] -= 1
+                if not self._open[source]:
+                    del self._open[source]
+
+    def held(self) -> int:
+        with self._lock:
+            return sum(self._open.values())
 
 
 @dataclass(order=True)
@@ -109,6 +158,10 @@ class _Deadline:
     seq: int
     cancel: Callable[[], None] = field(compare=False)
     live: bool = field(default=True, compare=False)
+
+
+def _never() -> None:
+    """What a disarmed deadline calls: nothing."""
 
 
 class Watchdog:
@@ -132,7 +185,10 @@ class Watchdog:
 
     @staticmethod
     def disarm(deadline: _Deadline) -> None:
+        """Forget ``deadline``; it lets go of its call at once (the heap keeps the entry
+        until its time, and a call held that long keeps its HTTP/2 stream open)."""
         deadline.live = False
+        deadline.cancel = _never
 
     def _run(self) -> None:
         while True:

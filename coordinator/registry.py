@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+CERT_NAME = re.compile(r"worker-(\d{1,9})")  # the common name `geoloco certs` gives worker i
+
+
+def slot_of_name(name: str | None) -> int | None:
+    """The slot a certificate's common name binds (``worker-3``: 3); None for another name."""
+    match = CERT_NAME.fullmatch(name or "")
+    return int(match.group(1)) if match else None
 
 
 class RegistryError(Exception):
@@ -53,10 +62,13 @@ class WorkerRegistry:
         self.records: dict[int, WorkerRecord] = {}
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str, cert: str | None = None) -> WorkerRecord:
+             reclaim_session: str, cert: str | None = None, *,
+             cert_slot: int | None = None) -> WorkerRecord:
         """Check the token, then reclaim the given id or hand out the lowest free one;
-        ``cert``: the caller's certificate, which the id's later calls must present too."""
-        if not hmac.compare_digest(token.encode(), self._token):
+        ``cert``: the caller's certificate, which the id's later calls must present too;
+        ``cert_slot``: the slot its name binds (`slot_of_name`). A certificate holds one
+        slot at most: a second Join over it gets the same slot with a new session."""
+        if not self.token_matches(token):
             raise RegistryError(
                 "PERMISSION_DENIED",
                 "wrong token: the run's token (coordinator.token) does not match; "
@@ -66,10 +78,14 @@ class WorkerRegistry:
             record = self.authenticate(reclaim_id, reclaim_session, cert)
             record.session = reclaim_session
         else:
-            record = self._record_of_certificate(cert) or self._new_record()
+            record = self._record_of_certificate(cert) or self._new_record(cert_slot)
         record.hostname, record.device, record.live, record.dead = hostname, device, True, False
         record.cert, record.joined = record.cert or cert, True
         return record
+
+    def token_matches(self, token: str) -> bool:
+        """Whether ``token`` is the run's token (constant time)."""
+        return hmac.compare_digest(token.encode(), self._token)
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         """The record of ``worker_id`` if ``session`` is its secret and, once the worker
@@ -78,7 +94,7 @@ class WorkerRegistry:
         if record is None:
             raise RegistryError(
                 "UNAUTHENTICATED",
-                f"unknown worker {worker_id}: join first (known ids: {sorted(self.records)})",
+                f"unknown worker {worker_id}: join first",
             )
         if not hmac.compare_digest(session_hash(session), record.session_hash):
             raise RegistryError(
@@ -94,20 +110,24 @@ class WorkerRegistry:
         return record
 
     def _record_of_certificate(self, cert: str | None) -> WorkerRecord | None:
-        """The slot bound to ``cert`` that nobody holds now (its worker restarted, or the
-        coordinator did), with a new session: under mutual TLS the certificate is the
-        worker's identity, as the session is."""
-        record = next((r for r in self.records.values() if cert and r.cert == cert and not r.live), None)
+        """The slot bound to ``cert``, with a new session (the old one no longer counts):
+        under mutual TLS the certificate is the worker's identity, as the session is, and
+        it holds one slot at most."""
+        record = next((r for r in self.records.values() if cert and r.cert == cert and not r.dead), None)
         if record is not None:
             record.session = secrets.token_hex(16)
             record.session_hash = session_hash(record.session)
         return record
 
-    def _new_record(self) -> WorkerRecord:
+    def _new_record(self, slot: int | None = None) -> WorkerRecord:
         """A free slot, else the lowest dead one (a replacement takes its id and so its
-        partitions; the dead worker's session and certificate no longer count)."""
-        free = [i for i in range(self.n) if i not in self.records]
-        free += [i for i, r in sorted(self.records.items()) if r.dead]
+        partitions; the dead worker's session and certificate no longer count); ``slot``:
+        that slot only (a certificate's name binds it), unless another live worker holds it."""
+        if slot is not None:
+            free = self._bound_slot(slot)
+        else:
+            free = [i for i in range(self.n) if i not in self.records]
+            free += [i for i, r in sorted(self.records.items()) if r.dead]
         if not free:
             raise RegistryError(
                 "RESOURCE_EXHAUSTED",
@@ -119,6 +139,17 @@ class WorkerRegistry:
         record = WorkerRecord(free[0], session_hash(session), session=session)
         self.records[record.worker_id] = record
         return record
+
+    def _bound_slot(self, slot: int) -> list[int]:
+        if slot >= self.n:
+            raise RegistryError("PERMISSION_DENIED", f"this certificate is for worker {slot}, but the "
+                                f"run has {self.n} worker slots (0..{self.n - 1})")
+        held = self.records.get(slot)
+        if held is not None and held.live:
+            raise RegistryError("RESOURCE_EXHAUSTED", f"slot {slot}, which this certificate's name "
+                                "binds, is held by another certificate's worker; it is free once that "
+                                "worker has been gone coordinator.liveness_s")
+        return [slot]
 
     def mark_dead(self, worker_id: int) -> None:
         """The worker is gone: nobody waits for it, and a new worker may take its slot."""

@@ -21,17 +21,20 @@ from geoloco.compression import Frame, FrameError, Layout, decode_frame
 from geoloco.config import RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.coordinator.limits import (
+    JOIN_REQUEST_BYTES,
+    JOIN_REQUEST_S,
     IdleTimeout,
     JoinLimiter,
     LimitExceeded,
+    SourceGate,
     StreamSlots,
     Watchdog,
 )
-from geoloco.coordinator.registry import RegistryError, WorkerRecord
+from geoloco.coordinator.registry import RegistryError, WorkerRecord, slot_of_name
 from geoloco.coordinator.rounds import Arrival, ClosedRound, RoundError, worker_task
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
-from geoloco.tls import peer_fingerprint
+from geoloco.tls import peer_fingerprint, peer_name
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +43,21 @@ FRAME_OVERHEAD_BYTES = 64 * 1024  # headroom over a dense fp32 frame for headers
 # holds temporary buffers of the frame's size, so more at once only costs memory
 VALIDATING_AT_ONCE = 2
 EXTRA_CHUNKS = 64  # a frame may come in this many more chunks than CHUNK_BYTES pieces
+JOIN_METHOD = "/geoloco.v1.Coordinator/Join"
+CALLER_TEXT_CHARS = 64  # hostname, device and version as logged and kept: at most this long
 
 
 class ServiceState(Protocol):
     """What the servicer may read and change of the coordinator's state (thread-safe)."""
 
+    def token_matches(self, token: str) -> bool:
+        """Whether ``token`` is the run's token (constant time)."""
+
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str, cert: str | None) -> tuple[WorkerRecord, int]:
-        """The worker's record and the current round; RegistryError if refused."""
+             reclaim_session: str, cert: str | None, *,
+             cert_slot: int | None = None) -> tuple[WorkerRecord, int]:
+        """The worker's record and the current round; RegistryError if refused.
+        ``cert_slot``: the slot the caller's certificate name binds."""
 
     def authenticate(self, worker_id: int, session: str, cert: str | None) -> WorkerRecord:
         """The worker's record; RegistryError if unknown, the session is wrong or comes
@@ -92,34 +102,83 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         self.validating = threading.BoundedSemaphore(VALIDATING_AT_ONCE)
         self.slots = StreamSlots()
         self.joins = JoinLimiter()
+        self.unauthenticated = SourceGate()
         self.watchdog = Watchdog()
+
+    def JoinCall(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.JoinReply:
+        """Join as the server runs it (a client stream of raw bytes, `add_to_server`), so
+        that nothing is held before the request is checked: a place among the open
+        unauthenticated calls of its source (else RESOURCE_EXHAUSTED at once), the request
+        within JOIN_REQUEST_S (else the call is cancelled) and at most JOIN_REQUEST_BYTES."""
+        try:
+            place = self.unauthenticated.enter(_peer_host(context.peer()))
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise  # unreachable: abort raises
+        with place:
+            return self.Join(self._join_request(requests, context), context)
+
+    def _join_request(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.JoinRequest:
+        timeout = IdleTimeout(self.watchdog, context.cancel, first_s=JOIN_REQUEST_S)
+        try:  # the request, then the end of the stream (a unary client sends both at once)
+            data = next(requests, None)
+            extra = next(requests, None) if data is not None else None
+        except grpc.RpcError:
+            data = extra = None
+        finally:
+            timeout.close()
+        if extra is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Join carries one JoinRequest")
+        if data is None:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED if timeout.expired else
+                          grpc.StatusCode.INVALID_ARGUMENT, "a Join must send its JoinRequest within "
+                          f"{JOIN_REQUEST_S:g} s")
+        if len(data) > JOIN_REQUEST_BYTES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a JoinRequest of {len(data)} bytes; "
+                          f"at most {JOIN_REQUEST_BYTES} are allowed")
+        try:
+            return pb.JoinRequest.FromString(data)
+        except Exception:  # protobuf's DecodeError, or a nested parse failure
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a JoinRequest")
+            raise  # unreachable: abort raises
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         reclaim = request.reclaim_worker_id if request.HasField("reclaim_worker_id") else None
         caps, cert = request.capabilities, peer_fingerprint(context)
-        peer = cert or _peer_host(context.peer())
+        if not self.state.token_matches(request.token):
+            self._refuse_wrong_token(cert, context)
+        hostname, device = caller_text(caps.hostname), caller_text(caps.device)
         try:
-            self.joins.check(peer)
-            record, current = self.state.join(request.token, caps.hostname, caps.device, reclaim,
-                                              request.reclaim_session, cert)
-        except LimitExceeded as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            raise  # unreachable: abort raises
+            record, current = self.state.join(request.token, hostname, device, reclaim,
+                                              request.reclaim_session, cert,
+                                              cert_slot=slot_of_name(peer_name(context)))
         except RegistryError as exc:
-            if exc.code != "RESOURCE_EXHAUSTED":
-                self.joins.failed(peer)
             log.warning("join from %s refused: %s", context.peer(), exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
         log.info("worker %d %s from %s (%s), round %d", record.worker_id,
                  "reclaimed its id" if reclaim is not None else "joined",
-                 caps.hostname or "?", caps.device or "?", current)
+                 hostname or "?", device or "?", current)
         return pb.JoinReply(
             worker_id=record.worker_id, session=record.session,
             run_config_json=self.cfg.to_json(), current_round=current,
             layout_digest=self.layout.digest, wan_profile=self._wan_text(record.worker_id),
             straggler_profile=self.cfg.stragglers.profile_for(record.worker_id),
         )
+
+    def _refuse_wrong_token(self, cert: str | None, context: grpc.ServicerContext) -> None:
+        """PERMISSION_DENIED, counted against the caller's address and certificate; once
+        either has no failed Join left, RESOURCE_EXHAUSTED without a log line."""
+        keys = (_peer_host(context.peer()),) + ((f"cert:{cert}",) if cert else ())
+        try:
+            self.joins.check(*keys)
+        except LimitExceeded as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        self.joins.failed(*keys)
+        log.warning("join from %s refused: wrong token", context.peer())
+        context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                      "wrong token: the run's token (coordinator.token) does not match; "
+                      "start the worker with the coordinator's token")
 
     def _wan_text(self, worker_id: int) -> str:
         per = self.cfg.network.per_worker
@@ -332,14 +391,38 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             raise  # unreachable: abort raises
 
 
+def add_to_server(servicer: CoordinatorServicer, server: grpc.Server) -> None:
+    """Serve ``servicer``'s four RPCs on ``server``, Join as a client stream of raw bytes
+    (the same bytes on the wire as a unary call) so that its handler runs before the
+    request is read: `CoordinatorServicer.JoinCall`."""
+    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    join = grpc.stream_unary_rpc_method_handler(
+        servicer.JoinCall, response_serializer=pb.JoinReply.SerializeToString)
+    service = JOIN_METHOD.split("/")[1]
+    server.add_registered_method_handlers(service, {"Join": join})
+
+
+def caller_text(text: str, limit: int = CALLER_TEXT_CHARS) -> str:
+    """What a caller said about itself (hostname, device), cut to ``limit`` characters and
+    with every character that is not printable escaped, so that it cannot forge a log line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text[:limit])
+
+
+def parse_worker_id(text: str) -> int | None:
+    """A worker id from caller text: ASCII decimal digits, at most 9 of them; else None."""
+    return int(text) if text.isascii() and text.isdecimal() and len(text) <= 9 else None
+
+
 def _caller(context: grpc.ServicerContext) -> tuple[int, str]:
     """(worker id, session) from the call's metadata; UNAUTHENTICATED without them."""
     metadata = dict(context.invocation_metadata() or ())
-    worker, session = metadata.get(transport.WORKER_ID_KEY, ""), metadata.get(transport.SESSION_KEY, "")
-    if not worker.isdigit() or not session:
+    worker = parse_worker_id(metadata.get(transport.WORKER_ID_KEY, ""))
+    session = metadata.get(transport.SESSION_KEY, "")
+    if worker is None or not session:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"a Push must carry {transport.WORKER_ID_KEY} "
-                      f"and {transport.SESSION_KEY} metadata: join first")
-    return int(worker), session
+                      f"(a worker id) and {transport.SESSION_KEY} metadata: join first")
+    return worker, session
 
 
 def _peer_host(peer: str) -> str:

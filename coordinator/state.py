@@ -4,6 +4,7 @@ behind one lock (round protocol: docs/protocol.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -71,7 +72,7 @@ class CoordinatorState:
                  totals: RunTotals, rs: RoundState, registry_file: Path | None = None,
                  liveness_s: float = 60.0) -> None:
         self.layout = layout
-        self.registry_file = registry_file  # the registry, rewritten at every Join
+        self.registry_file = registry_file  # the registry, rewritten when a Join changes it
         self.liveness_s = liveness_s
         # worker -> since when it has no Rounds stream (joined, restored from a checkpoint,
         # or its stream ended); gone liveness_s, it is marked dead
@@ -88,31 +89,53 @@ class CoordinatorState:
         self.stopping = False
         self._params_lock = threading.Lock()
         self._snapshot: StateSnapshot | None = None
+        self._registry_write = threading.Lock()  # one registry.json write at a time
+        self._registry_version = 0
+        self._registry_written: tuple[int, dict[int, dict[str, Any]] | None] = (0, None)
 
     # ----- what the servicer calls ---------------------------------------------------
 
+    def token_matches(self, token: str) -> bool:
+        """Whether ``token`` is the run's token (the token never changes: no lock)."""
+        return self.registry.token_matches(token)
+
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
-             reclaim_session: str, cert: str | None = None) -> tuple[WorkerRecord, int]:
-        """Register (or reclaim) a worker; returns its record and the current round."""
+             reclaim_session: str, cert: str | None = None, *,
+             cert_slot: int | None = None) -> tuple[WorkerRecord, int]:
+        """Register (or reclaim) a worker; returns a copy of its record holding the session
+        secret for the reply (the registry keeps only its hash) and the current round, once
+        the registry is saved (off the lock)."""
         with self.lock:
             self.check_liveness()
-            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert)
+            record = self.registry.join(token, hostname, device, reclaim_id, reclaim_session, cert,
+                                        cert_slot=cert_slot)
             self.unfollowed_since[record.worker_id] = time.monotonic()
-            self.save_registry()
+            reply = dataclasses.replace(record)  # the one copy that holds the session secret:
+            record.session = ""  # the registry keeps its hash only
+            self._registry_version += 1
+            saved = self._registry_version, self.registry.to_dict()
             self.lock.notify_all()
-            return record, self.rs.round
+            current = self.rs.round
+        self.save_registry(*saved)
+        return reply, current
 
-    def save_registry(self) -> None:
-        """The registry to ``registry_file``, durably (a coordinator killed right after a
-        Join still knows the worker when it resumes); lock held."""
+    def save_registry(self, version: int, workers: dict[int, dict[str, Any]]) -> None:
+        """The registry as of ``version`` to ``registry_file``, durably (a coordinator killed
+        right after a Join still knows the worker when it resumes), unless a newer version
+        is written already or the file holds these very records; the state lock is not held."""
         if self.registry_file is None:
             return
-        try:
-            records = {str(i): d for i, d in self.registry.to_dict().items()}
-            write_atomic(self.registry_file, json.dumps(records, indent=2, sort_keys=True) + "\n")
-        except OSError as exc:
-            log.error("worker registry not saved to %s (%s); the next Join tries again",
-                      self.registry_file, exc.strerror or exc)
+        with self._registry_write:
+            if version <= self._registry_written[0] or workers == self._registry_written[1]:
+                return
+            try:
+                records = {str(i): d for i, d in workers.items()}
+                write_atomic(self.registry_file, json.dumps(records, indent=2, sort_keys=True) + "\n")
+            except OSError as exc:
+                log.error("worker registry not saved to %s (%s); the next Join tries again",
+                          self.registry_file, exc.strerror or exc)
+                return
+            self._registry_written = version, workers
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         """The caller's record (registry.authenticate). A worker that has not joined this

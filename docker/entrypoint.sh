@@ -1,11 +1,12 @@
 #!/bin/sh
 # Container entry point: `coordinator`, `worker`, `healthcheck`, or any other command (run as is).
 #
-# coordinator: as root, make the certificates folder $GEOLOCO_CERTS (a volume shared with
-#   the workers) and hand it to `geoloco`; as `geoloco`, fill it with `geoloco certs` (the
-#   run's CA, a coordinator certificate for $GEOLOCO_SANS, a token file; what is already
-#   there is kept, so an operator's own files win), then serve TLS on $GEOLOCO_LISTEN and
-#   write the run to $GEOLOCO_RUN_DIR.
+# coordinator: as root, make the certificates folder $GEOLOCO_CERTS and hand it to
+#   `geoloco`; as `geoloco`, fill it with `geoloco certs` (the run's CA, a coordinator
+#   certificate for $GEOLOCO_SANS, a token file; what is already there is kept, so an
+#   operator's own files win), copy ca.pem and the token (never a key) to
+#   $GEOLOCO_WORKER_CERTS when set, then serve TLS on $GEOLOCO_LISTEN and write the run to
+#   $GEOLOCO_RUN_DIR.
 # worker: as root, join the coordinator over TLS (checked against $GEOLOCO_CERTS/ca.pem),
 #   which assigns the worker id and with it the worker's WAN and straggler profiles; shape
 #   eth0 with tc to that WAN profile (netem where the kernel has it, otherwise rate only,
@@ -19,6 +20,8 @@
 # Environment (defaults in brackets):
 #   GEOLOCO_COORDINATOR [coordinator:50051]   GEOLOCO_TOKEN [unset: $GEOLOCO_CERTS/token]
 #   GEOLOCO_CERTS [/certs]   GEOLOCO_SANS [coordinator,localhost,127.0.0.1]
+#   GEOLOCO_WORKER_CERTS [unset]: the coordinator copies ca.pem and token (no key) there,
+#     for a volume the workers mount in place of $GEOLOCO_CERTS
 #   GEOLOCO_TLS [1; 0 serves and dials plaintext, with --insecure]   GEOLOCO_HEALTH_NAME [localhost]
 #   GEOLOCO_TLS_CERT, GEOLOCO_TLS_KEY: a worker's client certificate (mutual TLS, when the
 #     coordinator is given GEOLOCO_MTLS=1 and so requires certificates signed by the CA)
@@ -79,6 +82,23 @@ make_certs() {
         done
     fi
     run_as_user geoloco certs "$CERTS" "$@" >/dev/null
+    publish_for_workers
+}
+
+# What the workers may read, into $GEOLOCO_WORKER_CERTS (their own volume): the CA
+# certificate and the token, never a key. Written as `geoloco`, through a temp file.
+publish_for_workers() {
+    out="${GEOLOCO_WORKER_CERTS:-}"
+    if [ -z "$out" ]; then return 0; fi
+    if [ "$(id -u)" = 0 ]; then
+        mkdir -p "$out" && chown "$USER_NAME:$USER_NAME" "$out"
+    fi
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    run_as_user sh -c 'set -eu; umask 077
+        for f in ca.pem token; do
+            if [ -f "$1/$f" ]; then cp "$1/$f" "$2/.$f.tmp" && mv -f "$2/.$f.tmp" "$2/$f"; fi
+        done
+        chmod 0644 "$2/ca.pem"' publish "$CERTS" "$out"
 }
 
 run_coordinator() {

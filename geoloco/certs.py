@@ -58,7 +58,8 @@ class Issued:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically, mode 0600 from the first byte."""
+    """Write ``data`` to ``path`` atomically, mode 0600 from the first byte, through a temp
+    file made anew and never through a link planted at its name (write_atomic)."""
     write_atomic(path, data, mode=PRIVATE_MODE)
 
 

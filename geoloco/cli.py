@@ -318,6 +318,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         _check_profile(args.wan_emulate)
     token = require_token(cfg)
     configure_logging(args.log_file, args.verbose)
+    from geoloco.worker.admission import Admission
     from geoloco.worker.app import run_worker
 
     return run_worker(
@@ -326,6 +327,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
         identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
         metrics=_worker_metrics(cfg), state_dir=args.state_dir, state_every=cfg.worker.state_every,
+        admission=Admission(cfg.worker.allow_config_code, tuple(cfg.worker.allowed_paths)),
     )
 
 

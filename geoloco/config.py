@@ -190,6 +190,12 @@ class WorkerConfig:
     # inner AdamW, data positions) there every this many rounds; 0: never; None: every
     # round while a save costs under 5 % of a round (measured), else as often as keeps it so
     state_every: int | None = None
+    # what the coordinator's run config may make this worker do (docs/security.md): False
+    # (`geoloco worker`'s default) refuses a module:function or .py model and any data,
+    # tokenizer, hf: model or trace path outside allowed_paths; geoloco local and the
+    # examples turn it on
+    allow_config_code: bool = False
+    allowed_paths: list[str] = field(default_factory=list)  # folders (or files) it may read
 
 
 @dataclass

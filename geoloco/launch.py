@@ -281,7 +281,9 @@ class LocalRun:
                 "--connect-timeout", str(self.cfg.worker.connect_timeout_s),
                 "--report-dir", str(self.run_dir / WORKERS_DIR),
                 "--state-dir", str(worker_state_dir(self.run_dir, i)), *self._state_every_args(),
-                "--wait-for", str(self.run_dir / WORKERS_DIR / f"gate-{i}"), *self._worker_metrics_args(i)]
+                "--wait-for", str(self.run_dir / WORKERS_DIR / f"gate-{i}"), *self._worker_metrics_args(i),
+                # its own coordinator: the run config's model and paths are this user's own
+                "--set", "worker.allow_config_code=true"]
 
     def _state_every_args(self) -> list[str]:
         """worker.state_every of the run config, for the workers' own saves."""

@@ -57,14 +57,17 @@ def write_atomic(path: str | Path, data: bytes | bytearray | memoryview | str,
                  mode: int = DEFAULT_MODE, durable: bool = True) -> Path:
     """Write ``data`` (text is UTF-8) to ``path`` through a temporary file beside it,
     created with ``mode`` (0o600: readable by its owner only, from the first byte), then
-    renamed into place. ``durable``: the file is fsynced before the rename and its folder
+    renamed into place; the temporary file is created anew and never through a link, so
+    a link planted at its name redirects nothing. ``durable``: the file is fsynced before the rename and its folder
     after, so the new file survives a power cut as well as a kill. A failed write removes
     the temporary file and raises the OSError; the old file, if any, is untouched."""
     path = Path(path)
     tmp = temp_path(path)
     payload = data.encode() if isinstance(data, str) else data
+    tmp.unlink(missing_ok=True)  # left by a cut-off write of this pid (a link is removed, not followed)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        # made anew (O_EXCL), never through a link planted at its name (O_NOFOLLOW)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         with os.fdopen(fd, "wb") as f:
             view, written = memoryview(payload), 0
             while written < len(view):

@@ -17,6 +17,7 @@ from geoloco.transport import ChannelSecurity, parse_address
 log = logging.getLogger(__name__)
 
 PEER_CERT_KEY = "x509_pem_cert"  # gRPC auth context: the verified client certificate (PEM)
+PEER_NAME_KEY = "x509_common_name"  # ... and the common name in it
 INSECURE_BANNER = "*" * 72
 
 
@@ -73,6 +74,13 @@ def peer_fingerprint(context: grpc.ServicerContext) -> str | None:
     without one (plaintext, or TLS without client certificates)."""
     pem = context.auth_context().get(PEER_CERT_KEY)
     return hashlib.sha256(pem[0]).hexdigest() if pem else None
+
+
+def peer_name(context: grpc.ServicerContext) -> str | None:
+    """The common name of the certificate the caller presented and gRPC verified; None
+    without one."""
+    name = context.auth_context().get(PEER_NAME_KEY)
+    return name[0].decode("utf-8", "replace") if name else None
 
 
 def _read(name: str, path: str) -> bytes:

@@ -36,7 +36,11 @@ _COMMON_OPTIONS = [
 
 # Servers must accept the clients' keepalive pings, or they answer with GOAWAY. SO_REUSEPORT
 # is gRPC's default on Linux: a second coordinator would bind a busy port and share the Joins.
-SERVER_OPTIONS = _COMMON_OPTIONS + [
+# A server receives nothing larger than one chunk and its header (what gRPC may buffer for a
+# caller not yet authenticated).
+SERVER_RECEIVE_BYTES = CHUNK_BYTES + (64 << 10)
+SERVER_OPTIONS = [o for o in _COMMON_OPTIONS if o[0] != "grpc.max_receive_message_length"] + [
+    ("grpc.max_receive_message_length", SERVER_RECEIVE_BYTES),
     ("grpc.so_reuseport", 0),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

@@ -19,6 +19,7 @@ from geoloco.profiles import LinkProfile
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
+from geoloco.worker.admission import Admission
 from geoloco.worker.loop import Worker
 from geoloco.worker.prometheus import worker_registry
 from geoloco.worker.session import Session, read_identity
@@ -44,6 +45,7 @@ def run_worker(
     metrics: tuple[str, int] | None = None,
     state_dir: str | Path | None = None,
     state_every: int | None = None,
+    admission: Admission | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
@@ -51,6 +53,8 @@ def run_worker(
     ``identity_file`` makes the first Join reclaim the id and session written there;
     ``metrics`` (HOST, PORT) serves the worker's Prometheus metrics there; ``state_dir``
     keeps the worker's own state every ``state_every`` rounds (geoloco.worker.local_state);
+    ``admission``: what the coordinator's run config may make it do (geoloco.worker.admission;
+    None: anything);
     ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
     allowed there)."""
     torch.set_num_threads(threads)
@@ -66,7 +70,7 @@ def run_worker(
                 worker = Worker(session, device, Path(report_dir) if report_dir else None,
                                 precision=precision,
                                 state_dir=Path(state_dir) if state_dir else None,
-                                state_every=state_every)
+                                state_every=state_every, admission=admission)
                 signals.on_stop = worker.stop
                 if signals.requested.is_set():
                     return EXIT_INTERRUPTED

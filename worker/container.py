@@ -7,6 +7,7 @@ process then reclaims. ``python -m geoloco.worker.container --coordinator HOST:P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -51,16 +52,48 @@ class Identity:
     emulate: str | None = None
 
     def write(self, path: Path, owner: str | None = None) -> None:
-        """Write atomically as JSON, readable by its owner only; hand the file to ``owner``
-        (a user name) if given."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, json.dumps(self.__dict__, indent=2) + "\n", mode=0o600)
+        """Write atomically as JSON, readable by its owner only, and hand the file (not its
+        folder) to ``owner`` (a user name) if given: `write_private_file`."""
+        uid = gid = None
         if owner is not None:
             import pwd
 
             user = pwd.getpwnam(owner)
-            os.chown(path, user.pw_uid, user.pw_gid)
-            os.chown(path.parent, user.pw_uid, user.pw_gid)
+            uid, gid = user.pw_uid, user.pw_gid
+        write_private_file(path, (json.dumps(self.__dict__, indent=2) + "\n").encode(), uid, gid)
+
+
+class UnsafeFolder(OSError):
+    """The folder of a file the root step writes is one another user could change."""
+
+
+def write_private_file(path: Path, data: bytes, uid: int | None = None, gid: int | None = None) -> None:
+    """Write ``data`` to ``path`` (mode 0600, then owned by ``uid``:``gid`` if given) so
+    that no other user can steer the write: the folder must belong to this process's user
+    and be writable by nobody else (UnsafeFolder otherwise), the temp file is created anew
+    (O_EXCL) and never through a link (O_NOFOLLOW), its owner is changed through the open
+    file, and the rename happens inside that same folder, opened once."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(folder)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise UnsafeFolder(f"{path.parent} belongs to uid {st.st_uid} (mode {st.st_mode & 0o777:o}); "
+                               f"the identity folder must belong to uid {os.geteuid()} and be writable "
+                               "by it alone")
+        tmp = f".{path.name}.tmp"
+        with contextlib.suppress(FileNotFoundError):  # left by a cut-off write: ours to remove
+            os.unlink(tmp, dir_fd=folder)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if uid is not None:
+                os.fchown(f.fileno(), uid, gid if gid is not None else -1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        os.close(folder)
 
 
 def join_coordinator(address: str, token: str, timeout_s: float = 120.0,
@@ -83,7 +116,7 @@ def join_and_shape(args: argparse.Namespace) -> Identity:
     """Join (or reuse the identity a restarted container already has), shape the link,
     write the identity with what the link emulator must still do."""
     if args.identity_file.is_file():  # a restarted container: same id, shape again
-        identity = Identity(**json.loads(args.identity_file.read_text()))
+        identity = Identity(**json.loads(_read_own(args.identity_file)))
         log.info("reusing %s: worker %d", args.identity_file, identity.worker_id)
     else:
         identity = join_coordinator(args.coordinator, _token(args), args.timeout,
@@ -98,6 +131,13 @@ def join_and_shape(args: argparse.Namespace) -> Identity:
     identity.write(args.identity_file, args.owner)
     log.info("identity written to %s", args.identity_file)
     return identity
+
+
+def _read_own(path: Path) -> str:
+    """The text of ``path``, never through a link (the worker's user owns the file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         join_and_shape(args)
     except (tc.LinkShapingError, LinkProfileError, JoinRefused, CoordinatorUnreachable,
-            ConfigError) as exc:
+            ConfigError, UnsafeFolder) as exc:
         log.error("%s", exc)
         return EXIT_FAILED
     return 0

@@ -28,6 +28,7 @@ from geoloco.tasks import build_task
 from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker import local_state
+from geoloco.worker.admission import Admission, ConfigRefused
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.identity import IdentityStore
 from geoloco.worker.local_state import LocalStateError
@@ -81,9 +82,16 @@ class Training:
 
     @classmethod
     def from_join(cls, reply: pb.JoinReply, device: torch.device, precision: str = "fp32",
-                  inner_step: InnerStep | None = None) -> Training:
-        """Built from the run config the coordinator sent; the codec is warmed before round 0."""
-        cfg = validate(RunConfig.from_dict(json.loads(reply.run_config_json)))
+                  inner_step: InnerStep | None = None, admission: Admission | None = None) -> Training:
+        """Built from the run config the coordinator sent, once ``admission`` allows what it
+        asks for (JoinRefused otherwise, before any file it names is read); the codec is
+        warmed before round 0."""
+        cfg = RunConfig.from_dict(json.loads(reply.run_config_json))
+        try:
+            (admission or Admission()).check(cfg, reply.straggler_profile)
+        except ConfigRefused as exc:
+            raise JoinRefused(str(exc)) from None
+        cfg = validate(cfg)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
         expected = cfg.task.data_fingerprint
         if expected is not None and task.fingerprint != expected:
@@ -122,8 +130,9 @@ class Worker:
     def __init__(self, session: Session, device: str = "auto", report_dir: Path | None = None,
                  max_resyncs: int = 50, precision: str = "auto",
                  inner_step: InnerStep | None = None, state_dir: Path | None = None,
-                 state_every: int | None = None) -> None:
+                 state_every: int | None = None, admission: Admission | None = None) -> None:
         self.session = session
+        self.admission = admission or Admission()  # what the run config may make it do
         self.device = resolve_device(device)
         self.precision = precision
         self.inner_step = inner_step
@@ -346,7 +355,8 @@ class Worker:
         reply = self.join()
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
-            self.training = Training.from_join(reply, self.device, self.precision, self.inner_step)
+            self.training = Training.from_join(reply, self.device, self.precision, self.inner_step,
+                                               self.admission)
             # θ on huge pages: applying sparse rounds touches cache lines at random
             self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
             self.restore_local_state()
