@@ -98,6 +98,10 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         reclaim = request.reclaim_worker_id if request.HasField("reclaim_worker_id") else None
         caps, cert = request.capabilities, peer_fingerprint(context)
         peer = cert or _peer_host(context.peer())
+        mismatch = transport.protocol_mismatch("coordinator", "worker", request.protocol_version)
+        if mismatch is not None:
+            log.warning("join from %s refused: %s", context.peer(), mismatch)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
             self.joins.check(peer)
             record, current = self.state.join(request.token, caps.hostname, caps.device, reclaim,
@@ -119,6 +123,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             run_config_json=self.cfg.to_json(), current_round=current,
             layout_digest=self.layout.digest, wan_profile=self._wan_text(record.worker_id),
             straggler_profile=self.cfg.stragglers.profile_for(record.worker_id),
+            protocol_version=transport.PROTOCOL_VERSION,
         )
 
     def _wan_text(self, worker_id: int) -> str:
@@ -140,7 +145,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             for i, chunk in enumerate(transport.chunks(data)):
                 if i == 0:
                     yield pb.StateChunk(round=round, digest=digest, total_bytes=len(data),
-                                        data=chunk, task=task)
+                                        data=chunk, task=task,
+                                        next_task=self.task_for(record.worker_id, round + 1))
                 else:
                     yield pb.StateChunk(data=chunk)
 
@@ -204,7 +210,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                                       tuple(h.partitions), h.encode_seconds, h.apply_seconds,
                                       decode_seconds=decode_seconds, received_at=received,
                                       norm=norm, max_abs=max_abs,
-                                      digest_mismatches=h.digest_mismatches, resyncs=h.resyncs))
+                                      digest_mismatches=h.digest_mismatches, resyncs=h.resyncs,
+                                      density=h.density, upload_rate=h.upload_rate))
         except RoundError as exc:
             return str(exc)
         return None
@@ -294,6 +301,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
+        header.task_after_next.CopyFrom(self.task_for(worker, closed.round + 2))
         if worker in closed.settlements:
             header.settlement.CopyFrom(closed.settlements[worker])
         yield pb.RoundUpdate(header=header)
