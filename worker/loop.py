@@ -259,6 +259,8 @@ class Worker:
         self.pushing = self._pusher.submit(self.push, self.outbox)
         own = [self.training.deltas.latest[p] for p in trained.partitions]
         self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, overlap.standin_scale(cfg))
+        log.info("round %d: frame on its way; round %d trains from the running copy (%s)",
+                 self.round, self.round + 1, cfg.outer.overlap)
 
     def fold_late(self) -> bool:
         """Train round r + 1 from the running copy while round r's frame and result travel,
