@@ -121,13 +121,15 @@ def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int
 
 
 def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
-                     val_every_round: bool = False) -> Result:
-    """``simulate`` under cfg.outer.overlap (delayed | eager), in the order an overlapping
-    worker (geoloco.worker.loop.Worker.fold_late) does things: round t trains from the
-    running copy set up when round t - 1 was pushed, then round t - 1's result is folded
-    into the global track and its frame settled, then round t is encoded and the next
-    running copy made (geoloco.worker.overlap); the last round's result is applied at the
-    end. Round 0 trains from the initial parameters."""
+                     val_every_round: bool = False, densities: list[float] | None = None) -> Result:
+    """``simulate`` under cfg.outer.overlap, in the order an overlapping worker
+    (geoloco.worker.loop.Worker.fold_late) does things: round t trains from the running
+    copy set up when round t - 1 was pushed, then round t - 1's result is folded into the
+    global track and its frame settled, then round t is encoded and the next running copy
+    made (geoloco.worker.overlap); the last round's result is applied at the end. Overlap
+    ``none`` folds each result before the next round trains (the same as ``simulate``).
+    ``densities``: each worker's fixed top-k density (what compression.density "auto"
+    chose in a real run), else cfg.compression.density."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -138,20 +140,25 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     policy = CodePolicy(code)
     outer = make_outer(cfg.compression.method, layout, cfg.outer, cfg.compression.dense_dtype)
     workers = [SimWorker(InnerTrainer(task, cfg.inner, cfg.rounds, torch.device("cpu")),
-                         FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none"))
-               for _ in range(cfg.workers)]
-    scale = standin_scale(cfg)
+                         FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
+                                      density=densities[i] if densities else None))
+               for i in range(cfg.workers)]
+    mode, scale = cfg.outer.overlap, standin_scale(cfg)
     running = [params] * cfg.workers
     pending: tuple | None = None  # (decision, update, frames) of the round in flight
     result = Result()
     for t in range(cfg.rounds):
+        if pending is not None and mode == "none":
+            fold(params, policy, workers, *pending)
+            pending = None
         tasks = [worker_task(code, i, t, cfg.rounds) for i in range(cfg.workers)]
         trained = [train_round(w, running[i], tasks[i], t) for i, w in enumerate(workers)]
         if pending is not None:
             fold(params, policy, workers, *pending)
         frames = [w.encoder.encode(w.deltas.message(tasks[i]), t, i) for i, w in enumerate(workers)]
-        running = [running_copy(cfg.outer.overlap, params, [w.deltas.latest[p] for p in trained[i]], scale)
-                   for i, w in enumerate(workers)]
+        if mode != "none":
+            running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]], scale)
+                       for i, w in enumerate(workers)]
         late = stragglers(t)
         decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late)
         arrivals = {i: Arrival(i, frames[i], decode_frame(frames[i], layout)) for i in decision.coefficients}

@@ -134,3 +134,14 @@ def test_coordinator_killed_and_resumed_continues_with_equal_digests(
     lines = metrics(run_dir)
     assert sorted(m["round"] for m in lines) == list(range(rounds))
     assert all(m["digest_mismatches_by_worker"].get(str(w), 0) == 0 for m in lines for w in range(WORKERS))
+
+
+@pytest.mark.parametrize("scheme", ["none", "gc-fr"])
+def test_the_overlap_simulation_without_overlap_is_the_plain_one(scheme: str) -> None:
+    """simulate_overlap's loop with overlap none takes the order of simulate, bit for bit,
+    so the loss benchmarks compare the modes on one code path."""
+    cfg = load_config(overrides={"workers": 2, "rounds": 3, "inner.steps": 2, "task.seq_len": 16,
+                                 "task.batch_size": 2, "task.val_batches": 1, "coding.scheme": scheme,
+                                 "coding.stragglers": 0 if scheme == "none" else 1})
+    plain, looped = simulate(cfg), simulate_overlap(cfg)
+    assert (plain.digest, plain.final_val_loss) == (looped.digest, looped.final_val_loss)
