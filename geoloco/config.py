@@ -91,8 +91,10 @@ class CompressionConfig:
     # it within [density_min, density_max] from its measured upload rate so that its push
     # takes target_push_s (under outer.overlap, unset: one inner phase's compute time)
     density: float | str = 64 / 4096
-    density_min: float = 16 / 4096
-    density_max: float = 256 / 4096
+    # 4x apart by default: a frame's norm grows with k (x1.6 from 32 to 128 of 4096), and the
+    # frame bounds clip a frame above guard.clip_ratio (2) x the round's lower median norm
+    density_min: float = 32 / 4096
+    density_max: float = 128 / 4096
     target_push_s: float | None = None
     ef_beta: float = 0.95  # error-feedback decay
     tile: int = 64  # 2-D tensors are chunked into tile x tile blocks
