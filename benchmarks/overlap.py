@@ -7,6 +7,7 @@ in-process protocol (benchmarks/inprocess.py, simulate_overlap) over several see
 by seed against ``none``. Prints a table, then one JSON line (docs/benchmarks.md).
 
     python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 20 rounds
+    python -m benchmarks.overlap --loss-only --seeds 3 --loss-rounds 10   # the loss part alone
     python -m benchmarks.overlap --quick    # one regime, 2 workers, H=2, 3 rounds, 1 seed: a smoke test
 """
 
@@ -50,8 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=5, help="in-process loss runs per mode")
     p.add_argument("--run-dir", default="runs/bench-overlap")
     p.add_argument("--quick", action="store_true", help="tiny runs: checks the plumbing only")
+    p.add_argument("--loss-only", action="store_true", help="only the in-process loss at equal tokens")
     args = p.parse_args(argv)
-    args.regimes = dict(REGIMES)
+    args.regimes = {} if args.loss_only else dict(REGIMES)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
