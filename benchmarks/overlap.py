@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                "sd": round(statistics.stdev(losses[mode]), 4) if len(losses[mode]) > 1 else 0.0},
                 "digest_mismatches": m["digest_mismatches"],
             }
+    result["final_loss"] = {mode: [round(x, 4) for x in values] for mode, values in losses.items()}
     result["loss_vs_none"] = {mode: paired(losses, mode) for mode in MODES[1:]}
     result["loss_seeds"], result["loss_rounds"] = args.seeds, args.loss_rounds
     result["load_average"] = [round(min(load), 2), round(max(load), 2)]
