@@ -71,7 +71,7 @@ def config(args: argparse.Namespace, arm: str, run_dir: str, rounds: int, seed: 
     return load_config(overrides={
         "workers": args.workers, "rounds": rounds, "seed": seed, "run_dir": run_dir,
         "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
-        "task.val_batches": 2, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
+        "task.val_windows": 16, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
         "outer.overlap": overlap,
         "network.wan": UNIFORM if links == "uniform" else args.links[0],
         "network.per_worker": [] if links == "uniform" else args.links,

@@ -68,7 +68,7 @@ def config(args: argparse.Namespace, mode: str, wan: str, run_dir: str, rounds: 
     return load_config(overrides={
         "workers": args.workers, "rounds": rounds, "seed": seed, "run_dir": run_dir,
         "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
-        "task.val_batches": 2, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
+        "task.val_windows": 16, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
         "outer.overlap": mode, "network.wan": wan, "coordinator.deadline_s": 3600.0,
         "coordinator.checkpoint_every": 0, "coordinator.val_every": 0, **extra,
     })

@@ -28,7 +28,7 @@ from geoloco.worker.trainer import lr_at
 
 TARGET = 0.92
 METHODS = ("sparseloco", "diloco", "adamw")
-QUICK = {"workers": 2, "rounds": 2, "inner_steps": 2, "seq_len": 16, "batch_size": 2, "val_batches": 1,
+QUICK = {"workers": 2, "rounds": 2, "inner_steps": 2, "seq_len": 16, "batch_size": 2, "val_windows": 2,
          "seeds": 2}
 
 
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per worker and inner step")
-    p.add_argument("--val-batches", type=int, default=32)
+    p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. SEEDS-1")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="a SparseLoCo config override, e.g. compression.quantizer=four-bin (repeatable)")
@@ -60,7 +60,7 @@ def config(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
     overrides = {
         "workers": args.workers, "rounds": args.rounds, "seed": seed,
         "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
-        "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
+        "task.val_windows": args.val_windows, "inner.steps": args.inner_steps,
         "compression.method": "diloco" if method == "diloco" else "sparseloco",
     }
     if method == "sparseloco":

@@ -5,6 +5,7 @@ close, take the outer step, publish the result, apply it, record, checkpoint
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import asdict
@@ -28,6 +29,16 @@ from geoloco.tasks import Task
 log = logging.getLogger(__name__)
 
 VAL_EVERY_ROUND_MAX_PARAMS = 20_000_000  # val_every None: larger models only at checkpoints/end
+VAL_COST_SHARE = 0.10  # val_every None: a small model's validation takes at most this of a round
+
+
+def val_interval(val_seconds: float | None, round_seconds: float | None,
+                 share: float = VAL_COST_SHARE) -> int:
+    """Rounds between validation losses so that one evaluation (``val_seconds``) costs at
+    most ``share`` of the rounds it covers: 1 until both times are known."""
+    if not val_seconds or not round_seconds or round_seconds <= 0:
+        return 1
+    return max(1, math.ceil(val_seconds / (share * round_seconds)))
 
 
 class RoundObserver(Protocol):
@@ -59,6 +70,8 @@ class RoundLoop:
         self.failed = False
         self.done = threading.Event()
         self._started_at = time.monotonic()
+        self.val_seconds: float | None = None  # the last validation's cost
+        self.round_seconds: float | None = None  # the last round's, from open to broadcast
 
     def run(self) -> None:
         """The initial loss, the joins, every round, then the end of the run."""
@@ -98,26 +111,39 @@ class RoundLoop:
                                  elapsed_seconds=self.elapsed_seconds())
             self.state.apply(update, closed)
         timing.applied_at = time.monotonic()
-        val = self.task.val_loss(self.model) if self.val_due(rs.round + 1) else None
+        if rs.opened_at is not None:
+            self.round_seconds = timing.published_at - rs.opened_at
+        val = self.validate() if self.val_due(rs.round + 1) else None
         self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
 
     def measure_initial_loss(self) -> None:
         totals = self.state.totals
         if totals.initial_val_loss is None:
-            totals.initial_val_loss = self.task.val_loss(self.model)
-            log.info("initial validation loss %.4f", totals.initial_val_loss)
+            totals.initial_val_loss = self.validate()
+            log.info("initial validation loss %.4f (%.1f s)", totals.initial_val_loss,
+                     self.val_seconds)
+
+    def validate(self) -> float:
+        """The validation loss of the global model, and what measuring it cost."""
+        started = time.monotonic()
+        loss = self.task.val_loss(self.model)
+        self.val_seconds = time.monotonic() - started
+        return loss
 
     def val_due(self, next_round: int) -> bool:
         """After the last round always; else every ``coordinator.val_every`` rounds, whose
-        default (None) is every round for small models and at checkpoints for large ones."""
+        default (None) is, for small models, every round while a validation costs under
+        VAL_COST_SHARE of a round (else as rarely as keeps it so: ``val_interval``), and at
+        checkpoints for large ones."""
         every = self.cfg.coordinator.val_every
         if next_round >= self.cfg.rounds:
             return True
         if every is None:
             if self.state.layout.numel < VAL_EVERY_ROUND_MAX_PARAMS:
-                return True
-            every = self.cfg.coordinator.checkpoint_every
+                every = val_interval(self.val_seconds, self.round_seconds)
+            else:
+                every = self.cfg.coordinator.checkpoint_every
         return bool(every) and next_round % every == 0
 
     def record(self, rs: RoundState, closed: ClosedRound, timing: RoundTiming,

@@ -40,7 +40,7 @@ OVERLAP = {**SMALL, "task.seq_len": "16", "task.batch_size": "4", "inner.steps":
 def test_overlapped_run_equals_the_sequential_computation(method: str, mode: str, tmp_path: Path) -> None:
     cfg = load_config(overrides={
         "workers": 2, "rounds": 4, "inner.steps": 2, "task.seq_len": 16, "task.batch_size": 2,
-        "task.val_batches": 1, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
+        "task.val_windows": 2, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
         "run_dir": str(tmp_path / "run"), "compression.method": method, "outer.overlap": mode,
     })
     assert run_local(cfg).ok
@@ -141,7 +141,7 @@ def test_the_overlap_simulation_without_overlap_is_the_plain_one(scheme: str) ->
     """simulate_overlap's loop with overlap none takes the order of simulate, bit for bit,
     so the loss benchmarks compare the modes on one code path."""
     cfg = load_config(overrides={"workers": 2, "rounds": 3, "inner.steps": 2, "task.seq_len": 16,
-                                 "task.batch_size": 2, "task.val_batches": 1, "coding.scheme": scheme,
+                                 "task.batch_size": 2, "task.val_windows": 2, "coding.scheme": scheme,
                                  "coding.stragglers": 0 if scheme == "none" else 1})
     plain, looped = simulate(cfg), simulate_overlap(cfg)
     assert (plain.digest, plain.final_val_loss) == (looped.digest, looped.final_val_loss)
@@ -154,7 +154,7 @@ def test_gradient_coding_under_overlap_keeps_the_replicas_equal(tmp_path: Path) 
     still agree every round and at the end."""
     cfg = load_config(overrides={
         "workers": 2, "rounds": 5, "inner.steps": 2, "task.seq_len": 16, "task.batch_size": 2,
-        "task.val_batches": 1, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
+        "task.val_windows": 2, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
         "run_dir": str(tmp_path / "run"), "outer.overlap": "eager", "coding.scheme": "gc-fr",
         "coding.stragglers": 1, "stragglers.per_worker": ["none", "fixed:4"],
     })

@@ -204,3 +204,12 @@ def test_validation_loss_is_due_every_val_every_rounds_and_after_the_last(
         tmp_path: Path, val_every: int | None, due: list[bool]) -> None:
     run = Run(tmp_path, rounds=6, **{"coordinator.val_every": val_every})
     assert [run.loop.val_due(n) for n in range(1, 7)] == due
+
+
+def test_val_interval_keeps_validation_under_its_share_of_a_round() -> None:
+    from geoloco.coordinator.loop import VAL_COST_SHARE, val_interval
+
+    assert val_interval(None, 2.0) == 1  # nothing measured yet: every round
+    assert val_interval(0.1, 2.0) == 1  # 5 % of a round: every round
+    every = val_interval(3.0, 2.0)  # 150 % of a round
+    assert 3.0 / (every * 2.0) <= VAL_COST_SHARE < 3.0 / ((every - 1) * 2.0)
