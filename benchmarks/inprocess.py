@@ -27,6 +27,7 @@ from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, worker_tas
 from geoloco.replica import param_digest
 from geoloco.tasks import build_task
 from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.overlap import running_copy, standin_scale
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.trainer import InnerTrainer
 
@@ -117,3 +118,75 @@ def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int
         delta, _ = worker.trainer.train_partition(theta, p, t)
         worker.deltas.keep(p, delta)
     return worker.encoder.encode(worker.deltas.message(task), t, sender)
+
+
+def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
+                     val_every_round: bool = False, densities: list[float] | None = None) -> Result:
+    """``simulate`` under cfg.outer.overlap, in the order an overlapping worker
+    (geoloco.worker.loop.Worker.fold_late) does things: round t trains from the running
+    copy set up when round t - 1 was pushed, then round t - 1's result is folded into the
+    global track and its frame settled, then round t is encoded and the next running copy
+    made (geoloco.worker.overlap); the last round's result is applied at the end. Overlap
+    ``none`` folds each result before the next round trains (the same as ``simulate``).
+    ``densities``: each worker's fixed top-k density (what compression.density "auto"
+    chose in a real run), else cfg.compression.density."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+    model = task.make_model().to("cpu", torch.float32)
+    params = [p.data for p in model.parameters()]
+    layout = Layout.from_named_tensors(model.named_parameters())
+    code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
+    policy = CodePolicy(code)
+    outer = make_outer(cfg.compression.method, layout, cfg.outer, cfg.compression.dense_dtype)
+    workers = [SimWorker(InnerTrainer(task, cfg.inner, cfg.rounds, torch.device("cpu")),
+                         FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
+                                      density=densities[i] if densities else None))
+               for i in range(cfg.workers)]
+    mode, scale = cfg.outer.overlap, standin_scale(cfg)
+    running = [params] * cfg.workers
+    pending: tuple | None = None  # (decision, update, frames) of the round in flight
+    result = Result()
+    for t in range(cfg.rounds):
+        if pending is not None and mode == "none":
+            fold(params, policy, workers, *pending)
+            pending = None
+        tasks = [worker_task(code, i, t, cfg.rounds) for i in range(cfg.workers)]
+        trained = [train_round(w, running[i], tasks[i], t) for i, w in enumerate(workers)]
+        if pending is not None:
+            fold(params, policy, workers, *pending)
+        frames = [w.encoder.encode(w.deltas.message(tasks[i]), t, i) for i, w in enumerate(workers)]
+        if mode != "none":
+            running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]], scale)
+                       for i, w in enumerate(workers)]
+        late = stragglers(t)
+        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late)
+        arrivals = {i: Arrival(i, frames[i], decode_frame(frames[i], layout)) for i in decision.coefficients}
+        update = outer.step(t, [(arrivals[i], a) for i, a in sorted(decision.coefficients.items())], decision)
+        pending = (decision, update, frames)
+        result.upload_bytes.append(sum(len(f) for f in frames) // cfg.workers)
+        result.modes.append(update.mode)
+        if val_every_round and t > 0:
+            result.val_losses.append(task.val_loss(model))  # after round t - 1's result
+    fold(params, policy, workers, *pending)
+    result.val_losses.append(task.val_loss(model))
+    result.digest = param_digest(params)
+    return result
+
+
+def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int) -> list[int]:
+    """One worker's inner phase of round ``t`` from ``theta``: the partitions it trained."""
+    partitions = worker.deltas.to_train(task)
+    for p in partitions:
+        delta, _ = worker.trainer.train_partition(theta, p, t)
+        worker.deltas.keep(p, delta)
+    return partitions
+
+
+def fold(params: list[torch.Tensor], policy: CodePolicy, workers: list[SimWorker], decision: Decision,
+         update, frames: list[bytes]) -> None:
+    """A round's result into the global track, and every worker's frame settled by it."""
+    apply_update(params, update)
+    applied = [f.frame for f in update.frames]
+    for i, w in enumerate(workers):
+        w.encoder.settle(policy.settlement(decision, i), frames[i], applied)

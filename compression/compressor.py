@@ -118,6 +118,17 @@ class Compressor:
             out.append(t.detach().reshape(-1).to(device=dev, dtype=torch.float32).clone())
         self.error = out
 
+    def set_density(self, density: float) -> None:
+        """Keep ``density`` of each chunk from the next ``compress`` on (k = round(density *
+        tile**2), at least 1); frames carry their k, so receivers need not know."""
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        k = max(1, min(self.tile * self.tile, round(density * self.tile * self.tile)))
+        self.density = density
+        if k != self.k:
+            self.k = k
+            self._encoders = {}  # built for the old k
+
     # -- compress -----------------------------------------------------------------------
 
     def compress(self, deltas: Sequence[torch.Tensor], *, round: int, sender: int) -> bytes:

@@ -61,6 +61,10 @@ class RoundMetrics:
     # what each arrived worker process reported of its replica checks so far
     digest_mismatches_by_worker: dict[int, int] = field(default_factory=dict)
     resyncs_by_worker: dict[int, int] = field(default_factory=dict)
+    # the top-k density of each arrived sparse frame and the upload rate (bytes/s) its
+    # worker measured on its previous push (compression.density "auto": worker/density.py)
+    density_by_worker: dict[int, float] = field(default_factory=dict)
+    upload_rate_by_worker: dict[int, float] = field(default_factory=dict)
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -73,7 +77,8 @@ class RoundMetrics:
         data["upload_bytes_per_worker"] = self.upload_bytes_mean
         for name in ("partitions_trained", "decode_seconds_by_worker", "compute_seconds_by_worker",
                      "send_seconds_by_worker", "wait_seconds_by_worker", "rejected_by_worker",
-                     "clipped_by_worker", "digest_mismatches_by_worker", "resyncs_by_worker"):
+                     "clipped_by_worker", "digest_mismatches_by_worker", "resyncs_by_worker",
+                     "density_by_worker", "upload_rate_by_worker"):
             data[name] = {str(k): v for k, v in getattr(self, name).items()}
         trained = list(self.partitions_trained.values())
         data["partitions_per_worker_round"] = sum(trained) / len(trained) if trained else None
@@ -134,6 +139,8 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         rejected_by_worker=dict(rs.rejected_by), clipped_by_worker=dict(rs.clipped_by),
         digest_mismatches_by_worker={a.worker: a.digest_mismatches for a in arrivals},
         resyncs_by_worker={a.worker: a.resyncs for a in arrivals},
+        density_by_worker={a.worker: a.density for a in arrivals if a.density},
+        upload_rate_by_worker={a.worker: a.upload_rate for a in arrivals if a.upload_rate},
     )
 
 

@@ -44,6 +44,7 @@ class CoordinatorMetrics:
         self.train_loss = Gauge("geoloco_train_loss", "Mean inner-loop loss of the last round's frames", registry=r)
         self.lr = Gauge("geoloco_inner_lr", "Inner learning rate at the last round's first step", registry=r)
         self.stragglers = Gauge("geoloco_round_stragglers", "Workers whose frame the last round closed without", registry=r)
+        self.density = Gauge("geoloco_worker_density", "Top-k density of the worker's last frame", w, registry=r)
         self.coefficient = Gauge("geoloco_round_max_coefficient", "Largest |decoding coefficient| of the last round", registry=r)
         self.round_seconds = Histogram("geoloco_round_duration_seconds", "Round times, broadcast to broadcast",
                                        buckets=SECONDS_BUCKETS, registry=r)
@@ -102,6 +103,8 @@ class CoordinatorMetrics:
         if m.lr is not None:
             self.lr.set(m.lr)
         self.stragglers.set(self.cfg.workers - len(m.arrived))
+        for worker, density in m.density_by_worker.items():
+            self.density.labels(str(worker)).set(density)
         self.coefficient.set(m.max_coefficient if m.max_coefficient is not None else math.nan)
         self.round_seconds.observe(m.round_seconds)
         if m.close_seconds is not None:

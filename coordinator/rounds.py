@@ -34,6 +34,8 @@ class Arrival:
     max_abs: float = 0.0  # its largest absolute value
     digest_mismatches: int = 0  # the worker process's counts so far, as it reported them
     resyncs: int = 0
+    density: float = 0.0  # the frame's top-k density (0: dense, or a version-1 worker)
+    upload_rate: float = 0.0  # bytes/s of the worker's previous push, as it measured it
 
 
 @dataclass(frozen=True)

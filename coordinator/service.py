@@ -147,6 +147,10 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         caps, cert = request.capabilities, peer_fingerprint(context)
         if not self.state.token_matches(request.token):
             self._refuse_wrong_token(cert, context)
+        mismatch = transport.protocol_mismatch("coordinator", "worker", request.protocol_version)
+        if mismatch is not None:
+            log.warning("join from %s refused: %s", context.peer(), mismatch)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         hostname, device = caller_text(caps.hostname), caller_text(caps.device)
         try:
             record, current = self.state.join(request.token, hostname, device, reclaim,
@@ -164,6 +168,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             run_config_json=self.cfg.to_json(), current_round=current,
             layout_digest=self.layout.digest, wan_profile=self._wan_text(record.worker_id),
             straggler_profile=self.cfg.stragglers.profile_for(record.worker_id),
+            protocol_version=transport.PROTOCOL_VERSION,
         )
 
     def _refuse_wrong_token(self, cert: str | None, context: grpc.ServicerContext) -> None:
@@ -199,7 +204,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             for i, chunk in enumerate(transport.chunks(data)):
                 if i == 0:
                     yield pb.StateChunk(round=round, digest=digest, total_bytes=len(data),
-                                        data=chunk, task=task)
+                                        data=chunk, task=task,
+                                        next_task=self.task_for(record.worker_id, round + 1))
                 else:
                     yield pb.StateChunk(data=chunk)
 
@@ -264,7 +270,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                                       tuple(h.partitions), h.encode_seconds, h.apply_seconds,
                                       decode_seconds=decode_seconds, received_at=received,
                                       norm=norm, max_abs=max_abs,
-                                      digest_mismatches=h.digest_mismatches, resyncs=h.resyncs))
+                                      digest_mismatches=h.digest_mismatches, resyncs=h.resyncs,
+                                      density=h.density, upload_rate=h.upload_rate))
         except RoundError as exc:
             return str(exc)
         return None
@@ -362,6 +369,7 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
         header = pb.RoundHeader()
         header.CopyFrom(closed.header)
         header.next_task.CopyFrom(self.task_for(worker, closed.round + 1))
+        header.task_after_next.CopyFrom(self.task_for(worker, closed.round + 2))
         if worker in closed.settlements:
             header.settlement.CopyFrom(closed.settlements[worker])
         yield pb.RoundUpdate(header=header)

@@ -33,6 +33,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 AGGREGATIONS = ("mean", "mean_kept")
+OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
+AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
 PARTITIONINGS = ("iid", "contiguous")
 STDLIB_CORPUS = "stdlib"  # task.data naming the running Python's standard-library sources
 PROGRESS_STYLES = ("auto", "bar", "lines")
@@ -100,7 +102,15 @@ class CompressionConfig:
     """What a worker sends: SparseLoCo's sparse 2-bit frames, or dense DiLoCo frames."""
 
     method: str = "sparseloco"  # sparseloco | diloco (dense baseline)
-    density: float = 64 / 4096  # fraction of each chunk kept by top-k (1-3 % per the paper)
+    # fraction of each chunk kept by top-k (1-3 % per the paper); "auto": each worker picks
+    # it within [density_min, density_max] from its measured upload rate so that its push
+    # takes target_push_s (under outer.overlap, unset: one inner phase's compute time)
+    density: float | str = 64 / 4096
+    # 4x apart by default: a frame's norm grows with k (x1.6 from 32 to 128 of 4096), and the
+    # frame bounds clip a frame above guard.clip_ratio (2) x the round's lower median norm
+    density_min: float = 32 / 4096
+    density_max: float = 128 / 4096
+    target_push_s: float | None = None
     ef_beta: float = 0.95  # error-feedback decay
     tile: int = 64  # 2-D tensors are chunked into tile x tile blocks
     index_coding: str = "rice"  # rice (entropy coded) | fixed (12-bit)
@@ -123,6 +133,12 @@ class OuterConfig:
     # it, wherever that is exact (uncoded, ignore, FR; cyclic codes take the weighted sum);
     # mean: the weighted sum of the frames divided by all n partitions, always
     aggregation: str = "mean_kept"
+    # none: wait for round t's result before round t+1's inner steps; delayed: push and go
+    # on at once from the last global parameters known, fold round t's result in at the
+    # end of round t+1's inner phase (one-round-delayed outer update); eager: the same, but
+    # the next inner phase starts from them plus the worker's own pseudo-gradient as a
+    # stand-in for round t's update (Kale, Douillard and Donchev 2025, arXiv 2502.12996)
+    overlap: str = "none"
 
 
 @dataclass
@@ -317,7 +333,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_run_dir(cfg.run_dir)
     _check_task(cfg.task)
     _check_inner(cfg.inner)
-    _check_compression(cfg.compression)
+    _check_compression(cfg.compression, cfg.outer.overlap)
     _resolve_outer(cfg.outer, cfg.compression.method)
     _check_coding(cfg.coding, cfg.workers)
     _check_links(cfg.network, cfg.workers)
@@ -408,14 +424,36 @@ def _check_inner(inner: InnerConfig) -> None:
     _check_range("inner.grad_clip", inner.grad_clip, 0.0, 1e6)
 
 
-def _check_compression(comp: CompressionConfig) -> None:
+def _check_compression(comp: CompressionConfig, overlap: str) -> None:
     _check_choice("compression.method", comp.method, METHODS)
-    _check_range("compression.density", comp.density, 1 / 4096, 1.0)
+    _check_density(comp, overlap)
     _check_range("compression.ef_beta", comp.ef_beta, 0.0, 1.0)
     _check_range("compression.tile", comp.tile, 4, MAX_TILE)
     _check_choice("compression.index_coding", comp.index_coding, INDEX_CODINGS)
     _check_choice("compression.quantizer", comp.quantizer, QUANTIZERS)
     _check_choice("compression.dense_dtype", comp.dense_dtype, DENSE_DTYPES)
+
+
+def _check_density(comp: CompressionConfig, overlap: str) -> None:
+    """A fixed density in 1/4096..1, or "auto" with 1/4096 <= density_min <= density_max
+    <= 1 and a target time: target_push_s, or one inner phase under outer.overlap."""
+    _check_range("compression.density_min", comp.density_min, 1 / 4096, 1.0)
+    _check_range("compression.density_max", comp.density_max, comp.density_min, 1.0)
+    if comp.target_push_s is not None:
+        _check_range("compression.target_push_s", comp.target_push_s, 0.001, 1e6)
+    if comp.density != AUTO:
+        if isinstance(comp.density, str):
+            raise ConfigError(f"compression.density: {comp.density!r} is neither a fraction in the "
+                              f"allowed range {1 / 4096:g}..1 nor {AUTO!r}")
+        _check_range("compression.density", comp.density, 1 / 4096, 1.0)
+        return
+    if comp.method != "sparseloco":
+        raise ConfigError(f"compression.density {AUTO!r} needs compression.method 'sparseloco' "
+                          f"(dense frames have no density); got {comp.method!r}")
+    if comp.target_push_s is None and overlap == "none":
+        raise ConfigError(f"compression.density {AUTO!r} needs compression.target_push_s (seconds a "
+                          "push may take), or outer.overlap 'delayed' or 'eager' (then a push fits "
+                          "one inner phase)")
 
 
 def _resolve_outer(outer: OuterConfig, method: str) -> None:
@@ -426,6 +464,7 @@ def _resolve_outer(outer: OuterConfig, method: str) -> None:
     _check_range("outer.lr", outer.lr, 1e-6, 10.0)
     _check_range("outer.momentum", outer.momentum, 0.0, 0.999)
     _check_choice("outer.aggregation", outer.aggregation, AGGREGATIONS)
+    _check_choice("outer.overlap", outer.overlap, OVERLAPS)
 
 
 def _check_coding(coding: CodingConfig, workers: int) -> None:
@@ -588,6 +627,8 @@ def _coerce(name: str, ftype: str, value: Any) -> Any:
             return None if value.lower() == "none" else int(value)
         if ftype in ("float", "float | None"):
             return None if value.lower() == "none" else float(value)
+        if ftype == "float | str":
+            return AUTO if value.lower() == AUTO else float(value)
         if ftype == "bool":
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
@@ -602,6 +643,10 @@ def _coerce(name: str, ftype: str, value: Any) -> Any:
 
 
 def _typed(name: str, ftype: str, value: Any) -> Any:
+    if ftype == "float | str":  # compression.density: a fraction or "auto"
+        if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            return value if isinstance(value, str) else float(value)
+        raise ConfigError(f"{name}: expected a number or {AUTO!r}, got {value!r} ({type(value).__name__})")
     base, optional = ftype.removesuffix(" | None"), ftype.endswith(" | None")
     if value is None and optional:
         return None

@@ -225,6 +225,7 @@ def markdown(runs: list[Run], images: dict[str, Path], per_run: dict[str, dict[s
         lines.append(f"| {r.name} | {r.method} | {len(r.rounds)} | {number(first, '.4f')} → {number(last, '.4f')} "
                      f"| {r.elapsed[-1]:.1f} s | {size(sum(up) / len(up))} | {number(ratio, '.4f')} "
                      f"| {sum(seconds) / len(seconds):.2f} s |")
+    lines += density_lines(runs)
     lines.append("")
     for title, path in images.items():
         lines += [f"## {title[0].upper()}{title[1:]}", "", f"![{title}]({path.relative_to(out)})", ""]
@@ -233,6 +234,23 @@ def markdown(runs: list[Run], images: dict[str, Path], per_run: dict[str, dict[s
         for title, path in plots.items():
             lines += [f"![{name}: {title}]({path.relative_to(out)})", ""]
     return "\n".join(lines)
+
+
+def density_lines(runs: list[Run]) -> list[str]:
+    """Each worker's top-k density over the run (first → last, and the range), for runs
+    whose metrics carry it (compression.density "auto" varies it per worker)."""
+    rows = []
+    for r in runs:
+        by_worker: dict[str, list[float]] = {}
+        for m in r.rounds:
+            for worker, density in (m.get("density_by_worker") or {}).items():
+                by_worker.setdefault(worker, []).append(density)
+        for worker, values in sorted(by_worker.items(), key=lambda item: int(item[0])):
+            rows.append(f"| {r.name} | {worker} | {values[0]:.5f} → {values[-1]:.5f} "
+                        f"| {min(values):.5f}–{max(values):.5f} |")
+    if not rows:
+        return []
+    return ["", "| run | worker | density first → last | range |", "| --- | ---: | ---: | ---: |", *rows]
 
 
 def _last(rounds: list[dict[str, Any]], key: str) -> Any:

@@ -17,6 +17,9 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20  # payload bytes per gRPC message (frames and state are chunked)
 MAX_MESSAGE_BYTES = 4 << 20  # explicit limit on both sides: one chunk plus its header fits
 KEEPALIVE_S = 5.0  # Rounds streams send a Keepalive this often when idle
+# The wire version both sides state at Join (protos/geoloco.proto); a message without one is
+# version 1. 2: the task of the round after next (overlapped rounds) and a frame's density.
+PROTOCOL_VERSION = 2
 
 BACKOFF_START_S = 0.5  # first retry delay of Join; doubles up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 10.0
@@ -78,6 +81,16 @@ class JoinRefused(RuntimeError):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+def protocol_mismatch(me: str, peer: str, peer_version: int) -> str | None:
+    """The refusal when ``peer`` speaks another wire version than this process (``me``),
+    naming both; None when they agree. ``peer_version`` 0 (the field absent) is version 1."""
+    theirs = peer_version or 1
+    if theirs == PROTOCOL_VERSION:
+        return None
+    return (f"protocol version mismatch: this {me} speaks geoloco wire protocol {PROTOCOL_VERSION}, "
+            f"the {peer} {theirs}; run the same geoloco version on both sides")
 
 
 class CoordinatorUnreachable(RuntimeError):

@@ -20,19 +20,21 @@ class Capabilities(_message.Message):
     def __init__(self, device: _Optional[str] = ..., hostname: _Optional[str] = ..., version: _Optional[str] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("token", "capabilities", "reclaim_worker_id", "reclaim_session")
+    __slots__ = ("token", "capabilities", "reclaim_worker_id", "reclaim_session", "protocol_version")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RECLAIM_SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     token: str
     capabilities: Capabilities
     reclaim_worker_id: int
     reclaim_session: str
-    def __init__(self, token: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reclaim_worker_id: _Optional[int] = ..., reclaim_session: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, token: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., reclaim_worker_id: _Optional[int] = ..., reclaim_session: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_id", "session", "run_config_json", "current_round", "layout_digest", "wan_profile", "straggler_profile")
+    __slots__ = ("worker_id", "session", "run_config_json", "current_round", "layout_digest", "wan_profile", "straggler_profile", "protocol_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +42,7 @@ class JoinReply(_message.Message):
     LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     WAN_PROFILE_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     session: str
     run_config_json: str
@@ -47,7 +50,8 @@ class JoinReply(_message.Message):
     layout_digest: bytes
     wan_profile: str
     straggler_profile: str
-    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., run_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., layout_digest: _Optional[bytes] = ..., wan_profile: _Optional[str] = ..., straggler_profile: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., run_config_json: _Optional[str] = ..., current_round: _Optional[int] = ..., layout_digest: _Optional[bytes] = ..., wan_profile: _Optional[str] = ..., straggler_profile: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class FetchStateRequest(_message.Message):
     __slots__ = ("worker_id", "session")
@@ -58,21 +62,23 @@ class FetchStateRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
-    __slots__ = ("round", "digest", "total_bytes", "data", "task")
+    __slots__ = ("round", "digest", "total_bytes", "data", "task", "next_task")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TASK_FIELD_NUMBER: _ClassVar[int]
     round: int
     digest: str
     total_bytes: int
     data: bytes
     task: WorkerTask
-    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., task: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
+    next_task: WorkerTask
+    def __init__(self, round: _Optional[int] = ..., digest: _Optional[str] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., task: _Optional[_Union[WorkerTask, _Mapping]] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions", "encode_seconds", "apply_seconds", "digest_mismatches", "resyncs")
+    __slots__ = ("worker_id", "session", "round", "total_bytes", "compute_seconds", "train_loss", "partitions", "encode_seconds", "apply_seconds", "digest_mismatches", "resyncs", "density", "upload_rate")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +90,8 @@ class PushHeader(_message.Message):
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_RATE_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     session: str
     round: int
@@ -95,7 +103,9 @@ class PushHeader(_message.Message):
     apply_seconds: float
     digest_mismatches: int
     resyncs: int
-    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ..., encode_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., digest_mismatches: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    density: float
+    upload_rate: float
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., round: _Optional[int] = ..., total_bytes: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., train_loss: _Optional[float] = ..., partitions: _Optional[_Iterable[int]] = ..., encode_seconds: _Optional[float] = ..., apply_seconds: _Optional[float] = ..., digest_mismatches: _Optional[int] = ..., resyncs: _Optional[int] = ..., density: _Optional[float] = ..., upload_rate: _Optional[float] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -148,7 +158,7 @@ class FrameInfo(_message.Message):
     def __init__(self, sender: _Optional[int] = ..., weight: _Optional[float] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class RoundHeader(_message.Message):
-    __slots__ = ("round", "frames", "aggregation", "alpha", "next_task", "finished", "arrived", "settlement")
+    __slots__ = ("round", "frames", "aggregation", "alpha", "next_task", "finished", "arrived", "settlement", "task_after_next")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +167,7 @@ class RoundHeader(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_FIELD_NUMBER: _ClassVar[int]
     SETTLEMENT_FIELD_NUMBER: _ClassVar[int]
+    TASK_AFTER_NEXT_FIELD_NUMBER: _ClassVar[int]
     round: int
     frames: _containers.RepeatedCompositeFieldContainer[FrameInfo]
     aggregation: str
@@ -165,7 +176,8 @@ class RoundHeader(_message.Message):
     finished: bool
     arrived: _containers.RepeatedScalarFieldContainer[int]
     settlement: Settlement
-    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ..., settlement: _Optional[_Union[Settlement, _Mapping]] = ...) -> None: ...
+    task_after_next: WorkerTask
+    def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ..., settlement: _Optional[_Union[Settlement, _Mapping]] = ..., task_after_next: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
 
 class Settlement(_message.Message):
     __slots__ = ("kind", "sender")

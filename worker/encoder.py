@@ -12,12 +12,13 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Compressor, Frame, Layout, decode_frame, encode_dense
-from geoloco.config import CompressionConfig
+from geoloco.config import AUTO, CompressionConfig
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import apply_round
 
 log = logging.getLogger(__name__)
 
+START_DENSITY = 64 / 4096  # compression.density "auto" before a worker has timed a push
 QUANTIZER_TABLES = {"two-level": "chunk", "four-bin": "bins"}  # compression.quantizer -> Compressor table
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
 
@@ -25,10 +26,20 @@ WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matr
 class FrameEncoder:
     """Encodes one round's message for ``layout`` as the run config's compression says."""
 
-    def __init__(self, layout: Layout, compression: CompressionConfig, undoable: bool = False) -> None:
+    def __init__(self, layout: Layout, compression: CompressionConfig, undoable: bool = False,
+                 density: float | None = None) -> None:
         self.layout = layout
         self.compression = compression
-        self.compressor = _compressor(layout, compression, undoable) if compression.method == "sparseloco" else None
+        self.compressor = (_compressor(layout, compression, undoable, density)
+                           if compression.method == "sparseloco" else None)
+
+    def set_density(self, density: float) -> float:
+        """The density of the next sparse frame (geoloco.worker.density); returns the one
+        in use, 0 for dense frames."""
+        if self.compressor is None:
+            return 0.0
+        self.compressor.set_density(density)
+        return self.compressor.density
 
     def encode(self, message: list[Tensor], round_: int, sender: int) -> bytes:
         if self.compressor is not None:
@@ -69,7 +80,9 @@ class FrameEncoder:
                                             ("b", torch.zeros(WARMUP_SIDE))])
         gen = torch.Generator().manual_seed(0)
         deltas = [torch.randn(s.shape, generator=gen) for s in layout.specs]
-        frame = decode_frame(_compressor(layout, self.compression).compress(deltas, round=0, sender=0), layout)
+        density = self.compressor.density
+        frame = decode_frame(_compressor(layout, self.compression, density=density).compress(
+            deltas, round=0, sender=0), layout)
         params = [torch.zeros(s.shape) for s in layout.specs]
         apply_round(params, [frame, frame], [0.5, 0.5], "sum", -1.0)
         log.info("codec kernels ready in %.2fs", time.monotonic() - start)
@@ -81,7 +94,11 @@ def same_values(a: Frame, b: Frame) -> bool:
                for i, j, x, y in zip(a.indices, b.indices, a.values, b.values, strict=True))
 
 
-def _compressor(layout: Layout, comp: CompressionConfig, undoable: bool = False) -> Compressor:
-    return Compressor(layout, density=comp.density, beta=comp.ef_beta, tile=comp.tile,
+def _compressor(layout: Layout, comp: CompressionConfig, undoable: bool = False,
+                density: float | None = None) -> Compressor:
+    """The compressor of ``comp``; ``density`` overrides comp.density (which may be "auto")."""
+    if density is None:
+        density = comp.density if comp.density != AUTO else START_DENSITY
+    return Compressor(layout, density=density, beta=comp.ef_beta, tile=comp.tile,
                       index_coding=comp.index_coding, zstd=comp.zstd, undoable=undoable,
                       table=QUANTIZER_TABLES[comp.quantizer])

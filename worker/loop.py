@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,9 @@ from geoloco.run_dir import write_atomic
 from geoloco.tasks import build_task
 from geoloco.tasks.data import describe_source
 from geoloco.transport import CoordinatorUnreachable, JoinRefused
-from geoloco.worker import local_state
+from geoloco.worker import local_state, overlap
 from geoloco.worker.admission import Admission, ConfigRefused
+from geoloco.worker.density import DensityChooser
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.identity import IdentityStore
 from geoloco.worker.local_state import LocalStateError
@@ -78,6 +80,7 @@ class Training:
     layout: Layout
     encoder: FrameEncoder
     straggler: StragglerModel
+    density: DensityChooser
     deltas: LatestDeltas = field(default_factory=LatestDeltas)
 
     @classmethod
@@ -107,9 +110,11 @@ class Training:
             raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
         straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
-        encoder = FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none")
+        density = DensityChooser.from_config(cfg.compression)
+        encoder = FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
+                               density=density.density)
         encoder.warm_up()
-        return cls(cfg, trainer, layout, encoder, straggler)
+        return cls(cfg, trainer, layout, encoder, straggler, density)
 
 
 @dataclass
@@ -119,11 +124,15 @@ class Trained:
     partitions: list[int]
     compute_s: float
     loss: float
+    round: int = -1  # the round it was trained for
 
 
 class Worker:
     """One worker: θ, the CPU fp32 master copy of the global parameters at the start of
-    ``round``, and the loop that plays one round after the other over its Session.
+    ``round`` (the global track, the same on every replica), and the loop that plays one
+    round after the other over its Session. Under outer.overlap the next round's inner
+    phase runs from a running copy (geoloco.worker.overlap) while ``round``'s frame is in
+    flight.
     ``precision`` is the inner loop's autocast (worker.precision); ``inner_step`` replaces
     the inner training step (geoloco.worker.trainer.InnerStep)."""
 
@@ -154,6 +163,14 @@ class Worker:
         self.trained: Trained | None = None  # this round's training while θ awaits its confirmation
         self.apply_s = 0.0  # applying the last round result (reported in the next Push)
         self.counters = Counters()
+        self.next_task: pb.WorkerTask | None = None  # the task of round + 1, sent ahead
+        self.inflight: Push | None = None  # overlap: round's frame, pushed, its result not in
+        self.pushing: Future[None] | None = None  # that push, on the push thread
+        self.running: list[Tensor] | None = None  # overlap: what round + 1's phase trains from
+        self.ahead: Trained | None = None  # overlap: round + 1 trained before round's result
+        self.catching_up = False  # after a resync, reconnect or restore: the next round waits
+        self.density = 0.0  # the last frame's density (0: dense)
+        self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
 
     # ------------------------------------------------------------------ the loop
 
@@ -194,19 +211,28 @@ class Worker:
         """One round from θ_r: train → confirm θ_r → straggle → encode → push → apply.
         Early exits: a result already in skips whatever is left before it is applied, and a
         θ_r that fails its digest check drops what was trained (the state is fetched again,
-        the round starts over). True when the run is finished."""
+        the round starts over). Under outer.overlap the push goes to the push thread and
+        the round ends there; the next call trains round r + 1 and then folds round r's
+        result in (fold_late). True when the run is finished."""
         if self.stopping.is_set():
             raise Stopped("stop() was called")
+        if self.inflight is not None:
+            return self.fold_late()
         result = self.session.poll_result(self.round)
         if result is None and self.outbox is None and self.has_work():
-            # kept across a reconnect that left θ as it was: the data and AdamW went on once
-            trained = self.trained or self.train()
-            self.trained = trained
-            if not self.confirm():
-                self.trained = None
-                return False
-            self.emulate_straggler(trained)
+            trained = self.take_ahead()  # trained from θ_{r-1} (confirmed) while r-1 travelled
+            if trained is None:
+                # kept across a reconnect that left θ as it was: the data and AdamW went on once
+                trained = self.trained or self.train()
+                self.trained = trained
+                if not self.confirm():
+                    self.trained = None
+                    return False
+                self.emulate_straggler(trained)
             self.outbox, self.trained = self.encode(trained), None
+            if self.may_overlap():
+                self.push_ahead(trained)
+                return False
             result = self.session.poll_result(self.round)
         if result is None and self.outbox is not None:
             self.push(self.outbox)
@@ -216,19 +242,80 @@ class Worker:
 
     # ------------------------------------------------------------------ the steps of a round
 
-    def has_work(self) -> bool:
-        return self.task is not None and bool(self.task.train_partitions or self.task.send_partitions)
+    def has_work(self, task: pb.WorkerTask | None = None) -> bool:
+        task = self.task if task is None else task
+        return task is not None and bool(task.train_partitions or task.send_partitions)
 
-    def train(self) -> Trained:
-        """H inner steps from θ_r on every partition the task trains; each Δ is kept."""
+    def train(self, task: pb.WorkerTask | None = None, theta: list[Tensor] | None = None,
+              round_: int | None = None) -> Trained:
+        """H inner steps from θ_r (or ``theta``, for ``round_``) on every partition the task
+        trains; each Δ is kept."""
+        task, theta = task or self.task, self.theta if theta is None else theta
+        round_ = self.round if round_ is None else round_
         training, start, losses = self.training, time.monotonic(), []
-        partitions = training.deltas.to_train(self.task)
+        partitions = training.deltas.to_train(task)
         for p in partitions:
-            delta, loss = training.trainer.train_partition(self.theta, p, self.round, self.stopping)
+            delta, loss = training.trainer.train_partition(theta, p, round_, self.stopping)
             training.deltas.keep(p, delta)
             losses.append(loss)
         mean_loss = sum(losses) / len(losses) if losses else math.nan
-        return Trained(partitions, time.monotonic() - start, mean_loss)
+        return Trained(partitions, time.monotonic() - start, mean_loss, round_)
+
+    # ------------------------------------------------------------------ overlapped rounds
+
+    def may_overlap(self) -> bool:
+        """Whether this round's push may overlap the next round's inner phase: the overlap
+        is on, this is not a catch-up round, and the next round's task is known and has
+        work (the last round waits for its result)."""
+        mode = self.training.cfg.outer.overlap
+        return mode != "none" and not self.catching_up and self.next_task is not None \
+            and self.has_work(self.next_task)
+
+    def push_ahead(self, trained: Trained) -> None:
+        """Push this round's frame on the push thread and set up the running copy that the
+        next round's inner phase starts from (geoloco.worker.overlap)."""
+        cfg = self.training.cfg
+        self.inflight = self.outbox
+        self.pushing = self._pusher.submit(self.push, self.outbox)
+        own = [self.training.deltas.latest[p] for p in trained.partitions]
+        self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, overlap.standin_scale(cfg))
+        log.info("round %d: frame on its way; round %d trains from the running copy (%s)",
+                 self.round, self.round + 1, cfg.outer.overlap)
+
+    def fold_late(self) -> bool:
+        """Train round r + 1 from the running copy while round r's frame and result travel,
+        then fold round r's result into θ (the global track) as a plain apply: the digest
+        check of θ_r, the apply, the settlement of round r's frame. True when finished."""
+        round_, task = self.inflight.round + 1, self.next_task
+        trained = self.train(task, self.running, round_)
+        self.emulate_straggler(trained, round_)
+        self.ahead = trained
+        self.finish_push()
+        result = self.session.next_result(self.round)
+        self.inflight = self.running = None
+        return self.apply(result)
+
+    def finish_push(self) -> None:
+        """Wait for the push thread's push (its Disconnected is raised here)."""
+        pushing, self.pushing = self.pushing, None
+        if pushing is not None:
+            pushing.result()
+
+    def take_ahead(self) -> Trained | None:
+        """The inner phase of this round if it was trained before the previous result was in."""
+        ahead, self.ahead = self.ahead, None
+        return ahead if ahead is not None and ahead.round == self.round else None
+
+    def drop_overlap(self) -> None:
+        """Forget the round in flight (a reconnect or resync catches up by fetching the
+        state): wait for its push to end, whatever its outcome."""
+        pushing, self.pushing = self.pushing, None
+        if pushing is not None:
+            try:
+                pushing.result()
+            except Exception as exc:  # noqa: BLE001 - the round is dropped either way
+                log.info("push of round %d ended with %s", self.inflight.round if self.inflight else -1, exc)
+        self.inflight = self.running = self.ahead = None
 
     def confirm(self) -> bool:
         """Wait for the digest check of θ (if one runs). On a mismatch fetch the state again
@@ -249,27 +336,36 @@ class Worker:
             self.resync(check.header)
         return ok
 
-    def emulate_straggler(self, trained: Trained) -> None:
+    def emulate_straggler(self, trained: Trained, round_: int | None = None) -> None:
         """A slower worker's extra compute, spent computing (the core stays busy)."""
-        delay = self.training.straggler.extra_delay(self.round, trained.compute_s)
+        round_ = self.round if round_ is None else round_
+        delay = self.training.straggler.extra_delay(round_, trained.compute_s)
         if delay > 0:
-            log.info("round %d: straggler emulation computes %.2fs more", self.round, delay)
+            log.info("round %d: straggler emulation computes %.2fs more", round_, delay)
             if not occupy(delay, self.stopping):
                 raise Stopped("stop() was called")
 
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""
-        message = self.training.deltas.message(self.task)
+        training = self.training
+        message = training.deltas.message(self.task)
+        self.density = training.encoder.set_density(training.density.choose(trained.compute_s))
         start = time.monotonic()
-        frame = self.training.encoder.encode(message, self.round, self.session.worker_id)
+        frame = training.encoder.encode(message, self.round, self.session.worker_id)
         encode_s = time.monotonic() - start
-        log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes (encoded in %.2fs)",
-                 self.round, trained.partitions, trained.compute_s, trained.loss, len(frame), encode_s)
+        log.info("round %d: trained partitions %s in %.2fs, loss %.4f, frame %d bytes at density "
+                 "%.5f (encoded in %.2fs)", self.round, trained.partitions, trained.compute_s,
+                 trained.loss, len(frame), self.density, encode_s)
         return Push(self.round, frame, trained.compute_s, trained.loss, trained.partitions, encode_s,
-                    self.apply_s, self.counters.digest_mismatches, self.counters.resyncs)
+                    self.apply_s, self.counters.digest_mismatches, self.counters.resyncs,
+                    self.density, training.density.rate)
 
     def push(self, push: Push) -> None:
+        """Send the frame (on the main thread, or the push thread under overlap) and time it
+        for the link-aware density (geoloco.worker.density)."""
+        start = time.monotonic()
         reply = self.session.push(push)
+        self.training.density.observe(push.density, len(push.frame), time.monotonic() - start)
         if reply.accepted:
             self.counters.bytes_pushed += len(push.frame)
         else:
@@ -298,6 +394,8 @@ class Worker:
         log.info("round %d applied: %d frames from %s in %.2fs", header.round, len(header.frames),
                  list(header.arrived), self.apply_s)
         self.round, self.task, self.outbox = header.round + 1, header.next_task, None
+        self.next_task = header.task_after_next if header.HasField("task_after_next") else None
+        self.catching_up = False
         self.check = DigestCheck(header, self.theta, result.digest)
         self.save_local_state()
         if header.finished:
@@ -332,6 +430,8 @@ class Worker:
         self.release_check()
         if self.trained is not None and (state.round != self.round or state.digest != param_digest(self.theta)):
             self.trained = None  # trained from another θ
+        self.drop_overlap()
+        self.catching_up = self.catching_up or self.round >= 0  # not the first fetch: catch up
         dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
         for t, v in zip(self.theta, dense, strict=True):
             t.copy_(v.reshape(t.shape))
@@ -339,6 +439,7 @@ class Worker:
         if digest != state.digest:
             raise RuntimeError(f"state for round {state.round} has digest {digest}, coordinator says {state.digest}")
         self.round, self.task, self.outbox, self.apply_s = state.round, state.task, None, 0.0
+        self.next_task = state.next_task
         self.counters.bytes_received += len(state.data)
         log.info("fetched state of round %d (%d bytes, digest %s)", state.round, len(state.data), digest[:16])
 
@@ -362,6 +463,9 @@ class Worker:
             self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
+        if self.inflight is not None or self.ahead is not None:
+            self.drop_overlap()
+            self.task = None  # a round was in flight: catch up from the coordinator's state
         # a coordinator ahead holds the results θ lacks (else the stream says Behind): they
         # are applied as they were broadcast, so this worker's own frame is settled too
         if reply.current_round < self.round or self.task is None:
@@ -407,6 +511,7 @@ class Worker:
         except LocalStateError as exc:
             log.warning("%s: error feedback and inner AdamW state start from zero", exc)
             return
+        self.catching_up = True  # a resumed worker plays its first round without overlap
         log.info("restored the local state of round %d from %s (error feedback, inner AdamW "
                  "state, data positions)", saved_at, path)
 
@@ -463,6 +568,7 @@ class Worker:
 
     def close(self) -> None:
         self.session.close()
+        self._pusher.shutdown(wait=True)
 
     def write_report(self, status: str, digest: str | None = None) -> None:
         """worker-<id>.json in the report folder: id, pid, status, digest, counters; the

@@ -41,11 +41,15 @@ class WorkerCollector:
         at = GaugeMetricFamily("geoloco_worker_round", "The round this worker is at", labels=["worker"])
         apply = GaugeMetricFamily("geoloco_worker_apply_seconds", "Applying the last round result",
                                   labels=["worker"])
+        density = GaugeMetricFamily("geoloco_worker_frame_density",
+                                    "Top-k density of this worker's last frame (0: dense)", labels=["worker"])
         if labels:
             at.add_metric(labels, self.worker.round)
             apply.add_metric(labels, self.worker.apply_s)
+            density.add_metric(labels, self.worker.density)
         yield at
         yield apply
+        yield density
 
 
 def worker_registry(worker: Worker) -> CollectorRegistry:

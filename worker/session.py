@@ -38,6 +38,8 @@ class Push:
     apply_s: float = 0.0  # applying the previous round result, before this round's compute
     digest_mismatches: int = 0  # this process's counts so far, for the coordinator's summary
     resyncs: int = 0
+    density: float = 0.0  # the frame's top-k density (0: a dense frame)
+    upload_rate: float = 0.0  # bytes/s of the previous push (0: none measured yet)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class State:
     digest: str
     task: pb.WorkerTask
     data: bytes
+    next_task: pb.WorkerTask | None = None  # the worker's task in round + 1
 
 
 def read_identity(path: Path) -> tuple[int, str]:
@@ -85,7 +88,7 @@ class Session:
         stream of the previous connection."""
         request = pb.JoinRequest(token=self.token, capabilities=pb.Capabilities(
             device=device, hostname=socket.gethostname(), version=__version__,
-            threads=torch.get_num_threads()))
+            threads=torch.get_num_threads()), protocol_version=transport.PROTOCOL_VERSION)
         reclaiming = self.worker_id is not None
         if reclaiming:
             request.reclaim_worker_id, request.reclaim_session = self.worker_id, self.secret
@@ -96,6 +99,10 @@ class Session:
         self.close()
         reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s,
                                                            sleep=self._backoff, security=self.security)
+        mismatch = transport.protocol_mismatch("worker", "coordinator", reply.protocol_version)
+        if mismatch is not None:
+            self.close()
+            raise transport.JoinRefused(mismatch)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self.worker_id, self.secret = reply.worker_id, reply.session
         log.info("%s as worker %d at %s (open round %d, device %s, straggler profile %r)",
@@ -115,7 +122,8 @@ class Session:
             raise _rpc_failure("FetchState", exc) from None
         if first is None or len(data) != first.total_bytes:
             raise Disconnected(f"FetchState ended after {len(data)} bytes")
-        return State(first.round, first.digest, first.task, bytes(data))
+        next_task = first.next_task if first.HasField("next_task") else None
+        return State(first.round, first.digest, first.task, bytes(data), next_task)
 
     def push(self, push: Push) -> pb.PushReply:
         """Send one frame, header first, in chunks; the coordinator's verdict."""
@@ -123,7 +131,8 @@ class Session:
                                total_bytes=len(push.frame), compute_seconds=push.compute_s,
                                train_loss=push.train_loss, partitions=push.partitions,
                                encode_seconds=push.encode_s, apply_seconds=push.apply_s,
-                               digest_mismatches=push.digest_mismatches, resyncs=push.resyncs)
+                               digest_mismatches=push.digest_mismatches, resyncs=push.resyncs,
+                               density=push.density, upload_rate=push.upload_rate)
         chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(push.frame)]
         try:
             return self._connected().Push(iter(chunks), metadata=self._metadata())

@@ -87,12 +87,18 @@ class Direction:
     """Shaping state of one direction of the link, shared by all its connections."""
 
     def __init__(self, profile: LinkProfile, dist: str, seed: int) -> None:
+        self.dist, self.seed = dist, seed
+        self.bytes = 0
+        self.set_profile(profile)
+
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Shape by ``profile`` from now on (connections open stay open; bytes already
+        stamped keep their times)."""
         rate = profile.rate_bps / 8 if profile.rate_bps else None
         burst = max(MIN_BURST_BYTES, rate * BURST_S) if rate else 0.0
         self.bucket = TokenBucket(rate, burst) if rate else None
-        self.delay = DelayLine(profile.delay_s, profile.jitter_s, dist, seed)
+        self.delay = DelayLine(profile.delay_s, profile.jitter_s, self.dist, self.seed)
         self.chunk = min(MAX_CHUNK, int(burst)) if rate else UNSHAPED_CHUNK
-        self.bytes = 0
 
 
 async def _sleep_until(loop: asyncio.AbstractEventLoop, when: float) -> None:
@@ -207,6 +213,13 @@ class LinkEmulator:
         """Connections being relayed now."""
         return len(self._connections)
 
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Change the link live: every connection is shaped by ``profile`` from now on."""
+        self.profile = profile
+        self.up.set_profile(profile)
+        self.down.set_profile(profile)
+        log.info("link now %s", profile)
+
     async def start(self) -> None:
         if self._server is not None:
             return
@@ -292,6 +305,11 @@ class RelayThread:
     @property
     def port(self) -> int:
         return self.emulator.port
+
+    def set_profile(self, profile: LinkProfile) -> None:
+        """Change the link live (both directions), on the relay's own loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.emulator.set_profile, profile)
 
     @property
     def bytes_up(self) -> int:

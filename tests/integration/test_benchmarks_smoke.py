@@ -1,8 +1,10 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift), the security ones (fuzz_rpc, scale) and the codec's run end to end in their ``--quick`` form
+ef_drift, overlap, heterogeneous), the security ones (fuzz_rpc, scale) and the codec's run end to
+end in their ``--quick`` form
 and end with one JSON line holding the figures they promise. Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
-(three real local runs), the in-process ones 10-25 s each."""
+(three real local runs), overlap and heterogeneous about a minute each under light load
+(three real local runs each), the in-process ones 10-25 s each."""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ KEYS = {
     "quantizer": {"loss_mean", "codec"},
     "pgc_cr": {"weights", "loss_mean"},
     "ef_drift": {"uncoded_drift", "worst_coded_over_uncoded", "rows"},
+    "overlap": {"comm50", "loss_vs_none", "loss_seeds"},
+    "heterogeneous": {"uniform", "fixed", "auto+overlap", "links"},
 }
-RUN_DIR = {"wan"}  # the benchmarks that take --run-dir
+RUN_DIR = {"wan", "overlap", "heterogeneous"}  # the benchmarks that take --run-dir
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))

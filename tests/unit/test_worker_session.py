@@ -34,7 +34,8 @@ class ScriptedCoordinator(pb_grpc.CoordinatorServicer):
         self.pushes: list[list[pb.PushChunk]] = []
 
     def Join(self, request, context):  # noqa: N802 - gRPC method names
-        return pb.JoinReply(worker_id=1, session="secret", current_round=0)
+        return pb.JoinReply(worker_id=1, session="secret", current_round=0,
+                            protocol_version=transport.PROTOCOL_VERSION)
 
     def Push(self, request_iterator, context):  # noqa: N802
         self.pushes.append(list(request_iterator))

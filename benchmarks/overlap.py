@@ -1,0 +1,174 @@
+"""Overlapped rounds (outer.overlap none | delayed | eager) side by side in one run: real
+processes through ``run_local`` (as benchmarks/wan.py), 4 workers, H = 15, in two regimes:
+communication at about 50 % of the inner compute, and at about 150 %. Utilization is the
+mean over workers of inner-compute seconds over round seconds (metrics.jsonl); the limit of
+a round is max(compute, communication) + encode. The loss at equal tokens comes from the
+in-process protocol (benchmarks/inprocess.py, simulate_overlap) over several seeds, paired
+by seed against ``none``. Prints a table, then one JSON line (docs/benchmarks.md).
+
+    python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 20 rounds
+    python -m benchmarks.overlap --loss-only --seeds 3 --loss-rounds 10   # the loss part alone
+    python -m benchmarks.overlap --quick    # one regime, 2 workers, H=2, 3 rounds, 1 seed: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.inprocess import simulate_overlap
+from geoloco.config import RunConfig, load_config
+from geoloco.launch import run_local
+from geoloco.profiles import LinkProfile
+
+MODES = ("none", "delayed", "eager")
+# gpt-tiny, H = 15, batch 2 x 32 on the test machine: about 0.6 s of compute a round and
+# 100 kB per worker a round (20 kB up, 4 x 20 kB down): 4 Mbit/s is about 50 % of it, 1 Mbit/s
+# about 150 % (the measured ratio is in the JSON line)
+REGIMES = {"comm50": "4mbit/50ms", "comm150": "1mbit/50ms"}
+QUICK = {"workers": 2, "rounds": 3, "warmup_rounds": 1, "inner_steps": 2, "seq_len": 16,
+         "loss_rounds": 2, "seeds": 1, "regimes": {"comm50": "20mbit/10ms"}}
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--inner-steps", type=int, default=15, help="H, in the papers' range")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=10, help="rounds of each real-process run")
+    p.add_argument("--warmup-rounds", type=int, default=2, help="first rounds left out of the means")
+    p.add_argument("--loss-rounds", type=int, default=20, help="rounds of each in-process loss run")
+    p.add_argument("--seeds", type=int, default=5, help="in-process loss runs per mode")
+    p.add_argument("--run-dir", default="runs/bench-overlap")
+    p.add_argument("--quick", action="store_true", help="tiny runs: checks the plumbing only")
+    p.add_argument("--loss-only", action="store_true", help="only the in-process loss at equal tokens")
+    args = p.parse_args(argv)
+    args.regimes = {} if args.loss_only else dict(REGIMES)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if args.rounds <= args.warmup_rounds:
+        p.error("--rounds must exceed --warmup-rounds")
+    return args
+
+
+def config(args: argparse.Namespace, mode: str, wan: str, run_dir: str, rounds: int, seed: int = 0,
+           **extra: Any) -> RunConfig:
+    """One task for every arm; only the overlap mode, the link and the seed differ."""
+    return load_config(overrides={
+        "workers": args.workers, "rounds": rounds, "seed": seed, "run_dir": run_dir,
+        "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
+        "task.val_windows": 16, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
+        "outer.overlap": mode, "network.wan": wan, "coordinator.deadline_s": 3600.0,
+        "coordinator.checkpoint_every": 0, "coordinator.val_every": 0, **extra,
+    })
+
+
+def measure(cfg: RunConfig, warmup: int) -> dict[str, Any]:
+    """One run through the local launcher: the steady rounds' means from metrics.jsonl."""
+    if not run_local(cfg).ok:
+        raise SystemExit(f"the run in {cfg.run_dir} failed; see its logs")
+    lines = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if x]
+    steady = lines[warmup:]
+    return {
+        "round_s": statistics.mean(m["round_seconds"] for m in steady),
+        "utilization": statistics.mean(min(1.0, m["compute_seconds"] / m["round_seconds"]) for m in steady),
+        "compute_s": statistics.mean(m["compute_seconds"] for m in steady),
+        "encode_s": statistics.mean(m["encode_seconds_max"] for m in steady),
+        "up_bytes": statistics.mean(m["upload_bytes_per_worker"] for m in steady),
+        "down_bytes": statistics.mean(m["download_bytes_per_worker"] for m in steady),
+        "digest_mismatches": json.loads((Path(cfg.run_dir) / "summary.json").read_text())["digest_mismatches"],
+    }
+
+
+def communication_s(m: dict[str, Any], link: LinkProfile) -> float:
+    """Bytes up and down over the link's rate plus one round trip."""
+    return (m["up_bytes"] + m["down_bytes"]) * 8.0 / link.rate_bps + link.rtt_s
+
+
+def paired(losses: dict[str, list[float]], mode: str) -> dict[str, float]:
+    """``mode``'s final loss relative to ``none``'s, paired by seed: the mean and the 95 %
+    upper bound (Student t) of (mode - none) / none."""
+    rel = [(a - b) / b for a, b in zip(losses[mode], losses["none"], strict=True)]
+    mean = statistics.mean(rel)
+    if len(rel) < 2:
+        return {"mean": round(mean, 5), "upper95": None}
+    upper = mean + T95.get(len(rel) - 1, 1.96) * statistics.stdev(rel) / math.sqrt(len(rel))
+    return {"mean": round(mean, 5), "upper95": round(upper, 5)}
+
+
+def losses_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Final validation loss of each mode and seed at equal tokens (simulate_overlap)."""
+    out: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for seed in range(args.seeds):
+        for mode in MODES:
+            cfg = config(args, mode, "unlimited", f"{args.run_dir}/sim", args.loss_rounds, seed)
+            out[mode].append(simulate_overlap(cfg).final_val_loss)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    load = [os.getloadavg()[0]]
+    runs: dict[str, dict[str, dict[str, Any]]] = {}
+    for regime, wan in args.regimes.items():
+        link = LinkProfile.parse(wan)
+        for mode in MODES:
+            cfg = config(args, mode, wan, f"{args.run_dir}/{regime}-{mode}", args.rounds)
+            m = measure(cfg, args.warmup_rounds)
+            m["communication_s"] = communication_s(m, link)
+            m["limit_s"] = max(m["compute_s"], m["communication_s"]) + m["encode_s"]
+            runs.setdefault(regime, {})[mode] = m
+            load.append(os.getloadavg()[0])
+    losses = losses_in_process(args)
+    result: dict[str, Any] = {}
+    for regime, by_mode in runs.items():
+        comm_over_compute = by_mode["none"]["communication_s"] / by_mode["none"]["compute_s"]
+        result[regime] = {"comm_over_compute": round(comm_over_compute, 2)}
+        for mode, m in by_mode.items():
+            result[regime][mode] = {
+                "utilization": round(m["utilization"], 3), "round_s": round(m["round_s"], 3),
+                "limit_s": round(m["limit_s"], 3), "communication_s": round(m["communication_s"], 3),
+                "round_over_limit": round(m["round_s"] / m["limit_s"], 3),
+                "round_over_communication": round(m["round_s"] / m["communication_s"], 3),
+                "final_loss": {"mean": round(statistics.mean(losses[mode]), 4),
+                               "sd": round(statistics.stdev(losses[mode]), 4) if len(losses[mode]) > 1 else 0.0},
+                "digest_mismatches": m["digest_mismatches"],
+            }
+    result["final_loss"] = {mode: [round(x, 4) for x in values] for mode, values in losses.items()}
+    result["loss_vs_none"] = {mode: paired(losses, mode) for mode in MODES[1:]}
+    result["loss_seeds"], result["loss_rounds"] = args.seeds, args.loss_rounds
+    result["load_average"] = [round(min(load), 2), round(max(load), 2)]
+    print(table(runs, losses))
+    print(f"model {args.model}, H={args.inner_steps}, batch {args.batch_size}x{args.seq_len}, "
+          f"{args.workers} workers, {args.rounds} rounds ({args.warmup_rounds} warm-up) per run; loss: "
+          f"{args.seeds} seeds x {args.loss_rounds} rounds in-process; load average "
+          f"{min(load):.1f}-{max(load):.1f}")
+    print(json.dumps(result))
+    return 0
+
+
+def table(runs: dict[str, dict[str, dict[str, Any]]], losses: dict[str, list[float]]) -> str:
+    lines = [f"{'regime':<9}{'mode':<9}{'util':>7}{'round s':>9}{'limit s':>9}{'comm s':>8}"
+             f"{'compute s':>10}{'final loss':>12}"]
+    for regime, by_mode in runs.items():
+        for mode, m in by_mode.items():
+            lines.append(f"{regime:<9}{mode:<9}{m['utilization']:>7.3f}{m['round_s']:>9.3f}"
+                         f"{m['limit_s']:>9.3f}{m['communication_s']:>8.3f}{m['compute_s']:>10.3f}"
+                         f"{statistics.mean(losses[mode]):>12.4f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
