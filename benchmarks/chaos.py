@@ -47,7 +47,7 @@ WORKERS = 4
 CONFIG = {
     "coding.scheme": "pgc-fr", "coding.stragglers": "1",
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "4",
-    "task.val_batches": "2", "task.corpus_bytes": "300000",
+    "task.val_windows": "8", "task.corpus_bytes": "300000",
     "inner.steps": "8", "inner.warmup_steps": "4", "inner.lr": "3e-3",
     "coordinator.join_timeout_s": "120", "coordinator.checkpoint_every": "1",
 }

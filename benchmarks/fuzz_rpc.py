@@ -50,7 +50,7 @@ from geoloco.tasks import build_task
 TOKEN = "fuzz-rpc"
 IDENTITIES = 32  # worker slots the fuzzer holds; a round closes when half have pushed
 THREADS = 6
-RUN = {"task.model": "gpt-tiny", "task.seq_len": "16", "task.batch_size": "2", "task.val_batches": "1",
+RUN = {"task.model": "gpt-tiny", "task.seq_len": "16", "task.batch_size": "2", "task.val_windows": "2",
        "task.corpus_bytes": "100000", "coordinator.deadline_s": "1000000", "coordinator.val_every": "0",
        "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "1", "rounds": "10000000"}
 EXPECTED_CODES = {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}

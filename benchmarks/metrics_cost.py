@@ -26,7 +26,7 @@ SCRAPE_EVERY_S = 1.0
 def config(run_dir: Path, rounds: int, metrics: bool) -> RunConfig:
     return validate(RunConfig.from_dict({
         "workers": 2, "rounds": rounds, "run_dir": str(run_dir),
-        "task": {"model": "gpt-tiny", "seq_len": 32, "batch_size": 8, "val_batches": 1, "corpus_bytes": 300_000},
+        "task": {"model": "gpt-tiny", "seq_len": 32, "batch_size": 8, "val_windows": 8, "corpus_bytes": 300_000},
         "inner": {"steps": 8, "warmup_steps": 4},
         "coordinator": {"listen": "127.0.0.1:0", "token": TOKEN, "checkpoint_every": 0},
         "monitoring": {"metrics_port": 0 if metrics else None},

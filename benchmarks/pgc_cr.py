@@ -77,7 +77,7 @@ def weight_rows(cases) -> list[dict]:
 def config(args: argparse.Namespace, v: Variant, seed: int) -> RunConfig:
     return load_config(overrides={
         "workers": args.workers, "rounds": args.rounds, "seed": seed, "task.seq_len": args.seq_len,
-        "task.batch_size": args.batch_size, "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
+        "task.batch_size": args.batch_size, "task.val_windows": args.val_windows, "inner.steps": args.inner_steps,
         "coding.scheme": v.scheme, "coding.stragglers": v.s,
     })
 
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--val-batches", type=int, default=16)
+    p.add_argument("--val-windows", type=int, default=128)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--quick", action="store_true")
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = WEIGHT_CASES
     if args.quick:
         args.workers, args.stragglers, args.rounds, args.inner_steps = 4, "1", 3, 2
-        args.seq_len, args.batch_size, args.val_batches, args.seeds = 16, 2, 1, 1
+        args.seq_len, args.batch_size, args.val_windows, args.seeds = 16, 2, 2, 1
         cases = ((4, 1),)
     print("per-(partition, age) decode weights over every straggler set of size s and pipeline phase")
     print(f"{'n':>3}{'s':>3}  {'ages':<8}{'worst |a|':>10}{'weights min':>13}{'max':>9}")

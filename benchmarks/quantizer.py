@@ -48,7 +48,7 @@ def codec_rows(side: int) -> list[dict]:
 def config(args: argparse.Namespace, quantizer: str, seed: int) -> RunConfig:
     return load_config(overrides={
         "workers": args.workers, "rounds": args.rounds, "seed": seed, "task.seq_len": args.seq_len,
-        "task.batch_size": args.batch_size, "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
+        "task.batch_size": args.batch_size, "task.val_windows": args.val_windows, "inner.steps": args.inner_steps,
         "compression.quantizer": quantizer,
     })
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=15)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--val-batches", type=int, default=32)
+    p.add_argument("--val-windows", type=int, default=256)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--side", type=int, default=1024, help="codec rows: a side x 4*side matrix")
     p.add_argument("--jobs", type=int, default=2)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.rounds, args.inner_steps, args.seq_len = 2, 2, 2, 16
-        args.batch_size, args.val_batches, args.seeds, args.side = 2, 1, 2, 128
+        args.batch_size, args.val_windows, args.seeds, args.side = 2, 2, 2, 128
     codec = codec_rows(args.side)
     print(f"codec, {args.side}x{4 * args.side} fp32, k = 64 of 4096, from a zero error state")
     print(f"{'data':<12}{'quantizer':<11}{'bytes':>10}{'bits/param':>12}{'rel. error':>12}")

@@ -64,7 +64,7 @@ FULL = Settings(cases=((4, 1), (8, 1), (8, 3)), rounds=12, block=3, inner_steps=
 QUICK = Settings(cases=((2, 1),), rounds=6, block=2, inner_steps=2, seeds=1)
 TASK = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
-    "task.val_batches": "4", "task.corpus_bytes": "300000", "inner.warmup_steps": "4",
+    "task.val_windows": "32", "task.corpus_bytes": "300000", "inner.warmup_steps": "4",
     "inner.lr": "3e-3", "coordinator.checkpoint_every": "0", "coordinator.deadline_s": "300",
 }
 

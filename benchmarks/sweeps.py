@@ -45,7 +45,7 @@ class Regime:
     steps_per_worker: int = 240  # inner steps each worker takes over the run
     seq_len: int = 32
     batch_size: int = 8
-    val_batches: int = 16
+    val_windows: int = 128
     seed: int = 0
 
 
@@ -55,14 +55,14 @@ SWEEPS = {
     "workers": ("workers", [2, 4, 8]),
 }
 QUICK_SWEEPS = {"H": ("inner_steps", [2, 4])}
-QUICK = Regime(steps_per_worker=4, seq_len=16, batch_size=2, val_batches=1)
+QUICK = Regime(steps_per_worker=4, seq_len=16, batch_size=2, val_windows=2)
 
 
 def config(point: Point, regime: Regime) -> RunConfig:
     return load_config(overrides={
         "workers": point.workers, "rounds": max(1, regime.steps_per_worker // point.inner_steps),
         "seed": regime.seed, "task.seq_len": regime.seq_len, "task.batch_size": regime.batch_size,
-        "task.val_batches": regime.val_batches, "inner.steps": point.inner_steps,
+        "task.val_windows": regime.val_windows, "inner.steps": point.inner_steps,
         "compression.method": point.method, "compression.density": point.density,
     })
 

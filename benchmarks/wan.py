@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="coordinator.val_every (default: every round for this model). The loss is "
                         "measured after the broadcast, but here the coordinator shares the cores "
                         "with the workers; 0 measures it only after the last round")
-    p.add_argument("--val-batches", type=int, default=1, help="task.val_batches")
+    p.add_argument("--val-windows", type=int, default=2, help="task.val_windows")
     p.add_argument("--run-dir", default="runs/bench-wan")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 workers, 2 rounds: checks the plumbing only")
     args = p.parse_args(argv)
@@ -79,7 +79,7 @@ def config(args: argparse.Namespace, run: str) -> RunConfig:
         "workers": args.workers, "rounds": args.rounds, "run_dir": f"{args.run_dir}/{run}",
         "task.model": args.model, "task.tokenizer": args.tokenizer,
         "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
-        "task.val_batches": args.val_batches, "inner.steps": args.inner_steps,
+        "task.val_windows": args.val_windows, "inner.steps": args.inner_steps,
         "inner.warmup_steps": 0, "compression.method": method, "compression.dense_dtype": dtype,
         "network.wan": args.wan,
         "coordinator.deadline_s": 3600.0, "coordinator.checkpoint_every": 0,

@@ -33,8 +33,12 @@ PRECISIONS = ("auto", "fp32", "bf16")
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 AGGREGATIONS = ("mean", "mean_kept")
+PARTITIONINGS = ("iid", "contiguous")
+STDLIB_CORPUS = "stdlib"  # task.data naming the running Python's standard-library sources
 PROGRESS_STYLES = ("auto", "bar", "lines")
 TOKEN_ENV = "GEOLOCO_TOKEN"  # the run token from the environment (never from a command line)
+# fields that were renamed: the old name's error says what replaced it
+RENAMED_FIELDS = {"task.val_batches": "task.val_windows (held-out windows, not batches)"}
 SECRET_FIELDS = (("coordinator", "token"),)  # left out of every config written or sent
 
 
@@ -44,14 +48,19 @@ class ConfigError(ValueError):
 
 @dataclass
 class TaskConfig:
-    """Model and data. The default corpus is the running Python's standard library sources."""
+    """Model and data. The default corpus is the pinned one shipped with geoloco (about 4 MB
+    of CPython 3.11 standard-library sources, geoloco.tasks.corpus): the same bytes on every
+    machine. The token stream is cut into non-overlapping windows of seq_len + 1 tokens; a
+    fixed-seed validation set of val_windows windows spread over the whole corpus is held
+    out, and the rest are split between the partitions (docs/decisions.md, "The data split")."""
 
     # one of MODEL_PRESETS (tiny ~1M parameters for tests and demos); module:function or
     # path/to/file.py:function (a factory of an nn.Module); hf:PATH (a transformers causal LM
     # from a local config.json or checkpoint folder)
     model: str = "gpt-tiny"
     # a text file or a folder of text files, or JSONL/JSON/Parquet records (a file or a folder
-    # of them); None: the stdlib sources
+    # of them); "stdlib": the running Python's standard-library sources (differ between
+    # Pythons); None: the pinned corpus (the same bytes everywhere)
     data: str | None = None
     text_field: str = "text"  # the column of JSONL/Parquet records that holds the text
     # bytes | PATH (a tokenizer.json, or a folder holding one) | train:VOCAB (BPE trained on
@@ -59,7 +68,13 @@ class TaskConfig:
     tokenizer: str = "auto"
     seq_len: int = 64  # tokens per training sequence
     batch_size: int = 16  # sequences per inner step
-    val_batches: int = 8  # held-out batches averaged for the validation loss
+    # held-out windows the validation loss is the mean over: drawn over the whole corpus with
+    # a fixed seed (the same for every run seed and method), in no partition
+    val_windows: int = 1024
+    # iid: the other windows shuffled with the run seed and dealt to the partitions (every
+    # worker sees the whole corpus's mix); contiguous: one region of the stream per partition
+    # (data that stays in its region)
+    partitioning: str = "iid"
     corpus_bytes: int = 4_000_000  # cap on the text read, so start-up stays fast
     # the tokenized corpus's fingerprint (geoloco.tasks.LMTask.fingerprint); None: the
     # coordinator fills in its own, and a worker whose data differs refuses to start
@@ -324,9 +339,10 @@ def _check_run_dir(run_dir: Any) -> None:
 
 def _check_task(task: TaskConfig) -> None:
     _check_model(task.model)
-    if task.data is not None and not Path(task.data).exists():
+    if task.data not in (None, STDLIB_CORPUS) and not Path(task.data).exists():
         raise ConfigError(f"task.data: {task.data!r} does not exist (a text file, a JSONL or "
-                          "Parquet file, or a folder of them)")
+                          f"Parquet file, or a folder of them; or {STDLIB_CORPUS!r}: this Python's "
+                          "sources; or unset: the pinned corpus)")
     if not isinstance(task.text_field, str) or not task.text_field:
         raise ConfigError(f"task.text_field: {task.text_field!r} is not a column name")
     _check_tokenizer(task.tokenizer)
@@ -334,7 +350,8 @@ def _check_task(task: TaskConfig) -> None:
         raise ConfigError(f"task.data_fingerprint: {task.data_fingerprint!r} is not a fingerprint")
     _check_range("task.seq_len", task.seq_len, 8, 8192)
     _check_range("task.batch_size", task.batch_size, 1, 4096)
-    _check_range("task.val_batches", task.val_batches, 1, 10_000)
+    _check_range("task.val_windows", task.val_windows, 1, 10**6)
+    _check_choice("task.partitioning", task.partitioning, PARTITIONINGS)
     _check_range("task.corpus_bytes", task.corpus_bytes, 10_000, 10**11)
 
 
@@ -527,6 +544,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
+        renamed = RENAMED_FIELDS.get(f"{prefix}{unknown[0]}")
+        if renamed is not None:
+            raise ConfigError(f"{prefix}{unknown[0]} was renamed: give {renamed} instead")
         raise ConfigError(
             f"unknown field {prefix}{unknown[0]}; fields of {prefix.rstrip('.') or 'the config'}: "
             f"{', '.join(fields)}"

@@ -89,7 +89,8 @@ class Training:
                 f"data mismatch: this worker's data ({task.n_tokens} {task.unit} from "
                 f"{describe_source(cfg.task.data)}, tokenizer {task.tokenizer.name}) has fingerprint "
                 f"{task.fingerprint}, the coordinator's {expected}; give every machine the same "
-                "task.data (the default corpus is each machine's own Python standard library)")
+                "task.data (the default, the pinned corpus, is the same everywhere; task.data "
+                "\"stdlib\" is each machine's own Python standard library)")
         trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, precision, inner_step)
         layout = replica_layout(trainer.model)
         if reply.layout_digest and reply.layout_digest != layout.digest:

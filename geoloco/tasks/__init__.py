@@ -4,6 +4,7 @@ it for GPT presets, any ``nn.Module`` factory and transformers models (README, "
 own model").
 """
 
+from geoloco.tasks.corpus import corpus_fingerprint, pinned_bytes, pinned_documents
 from geoloco.tasks.data import load_corpus, load_documents, stdlib_root
 from geoloco.tasks.gpt import GPT, PRESETS, VOCAB_SIZE, GPTConfig, build_model, count_parameters
 from geoloco.tasks.lm import LMTask, PartitionBatches, build_task
@@ -24,8 +25,11 @@ __all__ = [
     "TaskError",
     "build_model",
     "build_task",
+    "corpus_fingerprint",
     "count_parameters",
     "load_corpus",
     "load_documents",
+    "pinned_bytes",
+    "pinned_documents",
     "stdlib_root",
 ]

@@ -1,6 +1,6 @@
-"""Reading the corpus: text files and folders of them (the running Python's standard library
-by default), or JSONL/JSON and Parquet records read by Hugging Face ``datasets`` from local
-files, in sorted order up to a byte cap.
+"""Reading the corpus: the pinned corpus by default (geoloco.tasks.corpus), text files and
+folders of them (``stdlib``: the running Python's standard library), or JSONL/JSON and Parquet
+records read by Hugging Face ``datasets`` from local files, in sorted order up to a byte cap.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ import json
 import os
 import sysconfig
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
+from geoloco.config import STDLIB_CORPUS
+from geoloco.tasks.corpus import CORPUS_FILE, corpus_fingerprint, pinned_bytes, pinned_documents
 from geoloco.tasks.hf import require
 from geoloco.tasks.protocol import TaskError
 
@@ -21,13 +24,17 @@ _SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 
 
 def stdlib_root() -> Path:
-    """The running Python's standard library folder, the default corpus."""
+    """The running Python's standard library folder (``task.data = "stdlib"``)."""
     return Path(sysconfig.get_paths()["stdlib"])
 
 
 def describe_source(data: str | None) -> str:
     """Where the corpus comes from, for messages."""
-    return f"task.data {data!r}" if data else f"the stdlib sources ({stdlib_root()})"
+    if data is None:
+        return f"the pinned corpus ({CORPUS_FILE.name}, {corpus_fingerprint()})"
+    if data == STDLIB_CORPUS:
+        return f"this Python's stdlib sources ({stdlib_root()})"
+    return f"task.data {data!r}"
 
 
 def _files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -44,7 +51,7 @@ def _files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def record_files(data: str | None) -> list[Path]:
     """The JSONL/JSON/Parquet files ``data`` names (a record file, or a folder holding
     some); empty when the corpus is plain text."""
-    if data is None:
+    if data in (None, STDLIB_CORPUS):
         return []
     path = Path(data)
     if path.is_file():
@@ -68,8 +75,9 @@ def _read_text(path: Path, limit: int) -> bytes | None:
 
 def _text_chunks(data: str | None, max_bytes: int) -> list[bytes]:
     """The text files' contents in sorted order, up to ``max_bytes`` in all: the stdlib's
-    ``*.py`` sources when ``data`` is None, else the file ``data`` or every text file under it."""
-    if data is None:
+    ``*.py`` sources when ``data`` is "stdlib", else the file ``data`` or every text file
+    under it."""
+    if data == STDLIB_CORPUS:
         files = _files(stdlib_root(), (".py",))
     else:
         path = Path(data)
@@ -88,7 +96,10 @@ def _text_chunks(data: str | None, max_bytes: int) -> list[bytes]:
 @functools.lru_cache(maxsize=4)
 def load_corpus(data: str | None, max_bytes: int) -> bytes:
     """The text files concatenated, up to ``max_bytes`` (byte-level training reads this).
-    Cached per process, since coordinator and workers build the same task."""
+    Cached per process, since coordinator and workers build the same task. The pinned
+    corpus (``data`` None) is cut at ``max_bytes`` too."""
+    if data is None:
+        return pinned_bytes()[:max_bytes]
     return b"".join(_text_chunks(data, max_bytes))
 
 
@@ -96,19 +107,25 @@ def load_corpus(data: str | None, max_bytes: int) -> bytes:
 def load_documents(data: str | None, text_field: str, max_bytes: int) -> tuple[str, ...]:
     """The corpus as documents, up to ``max_bytes`` of UTF-8 text: one per record of the
     JSONL/Parquet files, else one per text file (load_corpus's files and order)."""
+    if data is None:
+        return _capped(pinned_documents(), max_bytes)
     files = record_files(data)
     if not files:
         return tuple(chunk.decode(errors="ignore") for chunk in _text_chunks(data, max_bytes))
+    return _capped((text for path in files for text in _read_records(path, text_field)), max_bytes)
+
+
+def _capped(texts: Iterable[str], max_bytes: int) -> tuple[str, ...]:
+    """The non-empty texts in order up to ``max_bytes`` of UTF-8, the last one cut there."""
     docs: list[str] = []
     total = 0
-    for path in files:
-        for text in _read_records(path, text_field):
-            raw = text.encode()
-            if total + len(raw) >= max_bytes:
-                docs.append(raw[: max_bytes - total].decode(errors="ignore"))
-                return tuple(d for d in docs if d)
-            docs.append(text)
-            total += len(raw)
+    for text in texts:
+        raw = text.encode()
+        if total + len(raw) >= max_bytes:
+            docs.append(raw[: max_bytes - total].decode(errors="ignore"))
+            break
+        docs.append(text)
+        total += len(raw)
     return tuple(d for d in docs if d)
 
 

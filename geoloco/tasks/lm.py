@@ -1,14 +1,15 @@
 """The language-model task, the one implementation of geoloco.tasks.protocol.Task: the
-corpus as one token stream (bytes, or a tokenizer's ids) cut into n contiguous training
-partitions with no overlap and no gap plus a held-out validation tail, deterministic
-batches, and the model ``task.model`` names.
+corpus as one token stream (bytes, or a tokenizer's ids) cut into non-overlapping windows,
+a fixed-seed validation set spread over the whole stream, the other windows dealt to n
+training partitions (``iid``: shuffled with the run seed; ``contiguous``: one region each),
+deterministic batches, and the model ``task.model`` names (docs/decisions.md, "The data
+split").
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +23,43 @@ from geoloco.tasks.models import ModelSource, model_source, next_token_loss
 from geoloco.tasks.protocol import Batch, LossFn, ModelSpec, TaskError
 from geoloco.tasks.tokenize import ByteTokenizer, Tokenizer, is_byte_level, load_tokenizer
 
-VAL_FRACTION = 0.05  # the last 5 % of the token stream is held out for validation
+
+def _seed_of(*parts: object) -> int:
+    """A 63-bit generator seed that is a fixed function of ``parts``."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _step_seed(seed: int, partition: int, step: int) -> int:
-    """A 63-bit generator seed that is a fixed function of (seed, partition, step)."""
-    digest = hashlib.sha256(f"geoloco-batch/{seed}/{partition}/{step}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+    """The seed of batch ``step`` of ``partition``: a fixed function of (seed, partition, step)."""
+    return _seed_of("geoloco-batch", seed, partition, step)
+
+
+def validation_windows(n_windows: int, count: int) -> Tensor:
+    """``count`` window indices out of ``n_windows``, sorted: one drawn uniformly from each of
+    ``count`` equal strata of the stream, by a hash with a fixed seed (no run seed and no
+    torch generator in it, so every run, method and machine scores the same windows)."""
+    edges = [n_windows * j // count for j in range(count + 1)]
+    strata = enumerate(zip(edges[:-1], edges[1:], strict=True))
+    picks = [lo + _seed_of("geoloco-val", j) % (hi - lo) for j, (lo, hi) in strata]
+    return torch.tensor(picks, dtype=torch.int64)
+
+
+def split_windows(train: Tensor, n_partitions: int, partitioning: str, seed: int) -> list[Tensor]:
+    """The training windows' indices of each partition. ``iid``: ``train`` shuffled by a
+    generator seeded from ``seed`` and dealt round-robin (sizes differ by at most one);
+    ``contiguous``: ``train`` in stream order cut into ``n_partitions`` runs."""
+    if partitioning == "contiguous":
+        return [part.clone() for part in torch.tensor_split(train, n_partitions)]
+    gen = torch.Generator().manual_seed(_seed_of("geoloco-deal", seed))
+    shuffled = train[torch.randperm(len(train), generator=gen)]
+    return [shuffled[p::n_partitions].clone() for p in range(n_partitions)]
 
 
 class PartitionBatches:
     """geoloco.tasks.protocol.BatchIterator over one partition of an LMTask: batch ``step``
     is ``task.batch(partition, step)``, and the state is the partition, the step and the
-    task's data fingerprint (a position saved on other data is refused)."""
+    task's split fingerprint (a position saved on other data or another split is refused)."""
 
     def __init__(self, task: LMTask, partition: int, step: int = 0) -> None:
         task.check_position(partition, step)
@@ -51,12 +76,14 @@ class PartitionBatches:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"partition": self.partition, "step": self.step, "data": self.task.fingerprint}
+        return {"partition": self.partition, "step": self.step, "data": self.task.split_fingerprint}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("data") != self.task.fingerprint:
+        if state.get("data") != self.task.split_fingerprint:
             raise ValueError(f"data position saved for data {state.get('data')!r}, this task's "
-                             f"data is {self.task.fingerprint!r}")
+                             f"data and split is {self.task.split_fingerprint!r} (task.data, "
+                             "task.partitioning, task.seq_len, task.val_windows, workers and seed "
+                             "must be those it was saved under)")
         if state.get("partition") != self.partition:
             raise ValueError(f"data position of partition {state.get('partition')!r} loaded into "
                              f"partition {self.partition}")
@@ -65,8 +92,9 @@ class PartitionBatches:
 
 
 class LMTask:
-    """Next-token prediction on a token stream split into ``n_partitions`` contiguous
-    training partitions and a held-out validation tail, with the matching model."""
+    """Next-token prediction on a token stream cut into windows of ``seq_len + 1`` tokens: a
+    held-out validation set spread over the stream, the rest split between ``n_partitions``
+    training partitions (``task.partitioning``), with the matching model."""
 
     def __init__(self, cfg: TaskConfig, tokens: Tensor, tokenizer: Tokenizer, source: ModelSource,
                  n_partitions: int, seed: int) -> None:
@@ -81,12 +109,20 @@ class LMTask:
         self.data = tokens  # 1-D: uint8 for bytes, int32 for a tokenizer's ids
         self.n_tokens = len(tokens)
         self.unit = "bytes" if isinstance(tokenizer, ByteTokenizer) else "tokens"
-        self.fingerprint = _fingerprint(tokens, tokenizer.vocab_size)
-        self.val_start = self.n_tokens - self._val_size()
-        self.bounds = self._partition_bounds()
-        self.partition_sizes = [end - start for start, end in self.bounds]
-        self.val_offsets = self._val_offsets()
-        self._val = self._val_batches()
+        self.fingerprint = _fingerprint(tokens, tokenizer.vocab_size)  # the data (task.data_fingerprint)
+        self.n_windows = self.n_tokens // self.window
+        self._check_size()
+        val = validation_windows(self.n_windows, cfg.val_windows)
+        train = torch.ones(self.n_windows, dtype=torch.bool)
+        train[val] = False
+        # window indices of each partition, in the order they were dealt
+        self.partition_windows = split_windows(train.nonzero().flatten(), n_partitions,
+                                               cfg.partitioning, seed)
+        self.partition_sizes = [len(w) for w in self.partition_windows]  # windows per partition
+        self.val_offsets = val * self.window  # token offsets of the validation windows, sorted
+        # the split: what a saved data position is only valid under
+        self.split_fingerprint = _seed_hex("geoloco-split", self.fingerprint, cfg.partitioning,
+                                           self.window, cfg.val_windows, n_partitions, seed)
 
     @property
     def window(self) -> int:
@@ -97,43 +133,24 @@ class LMTask:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def _val_size(self) -> int:
-        """5 % of the tokens, and at least room for every validation sequence side by side."""
-        needed = self.cfg.val_batches * self.cfg.batch_size * self.window
-        return max(math.ceil(VAL_FRACTION * self.n_tokens), needed)
-
-    def _partition_bounds(self) -> list[tuple[int, int]]:
-        base, extra = divmod(self.val_start, self.n_partitions)
-        if base < self.window:
-            unit = self.unit
-            raise TaskError(
-                f"corpus too small: {self.n_tokens} {unit} from {describe_source(self.cfg.data)} "
-                f"(task.corpus_bytes {self.cfg.corpus_bytes}, tokenizer {self.tokenizer.name}) leave "
-                f"{max(self.val_start, 0)} training {unit} for {self.n_partitions} partitions of at "
-                f"least {self.window} {unit} (seq_len + 1) each after a "
-                f"{self.n_tokens - self.val_start}-{unit} validation split; "
-                "give more text or a smaller seq_len, batch_size or val_batches"
-            )
-        bounds, start = [], 0
-        for i in range(self.n_partitions):
-            end = start + base + (1 if i < extra else 0)
-            bounds.append((start, end))
-            start = end
-        return bounds
+    def _check_size(self) -> None:
+        """TaskError unless the stream holds the validation windows and one per partition."""
+        needed = self.cfg.val_windows + self.n_partitions
+        if self.n_windows >= needed:
+            return
+        unit = self.unit
+        raise TaskError(
+            f"corpus too small: {self.n_tokens} {unit} from {describe_source(self.cfg.data)} "
+            f"(task.corpus_bytes {self.cfg.corpus_bytes}, tokenizer {self.tokenizer.name}) make "
+            f"{self.n_windows} windows of {self.window} {unit} (task.seq_len + 1), fewer than "
+            f"task.val_windows {self.cfg.val_windows} plus one for each of {self.n_partitions} "
+            "partitions; give more text (task.data, task.corpus_bytes) or a smaller task.seq_len "
+            "or task.val_windows"
+        )
 
     def _windows(self, offsets: Tensor) -> Batch:
         chunk = self.data[offsets[:, None] + torch.arange(self.window)].long()
         return chunk[:, :-1], chunk[:, 1:]
-
-    def _val_offsets(self) -> Tensor:
-        """Fixed, evenly spaced, non-overlapping windows over the validation split."""
-        n = self.cfg.val_batches * self.cfg.batch_size
-        last = self.n_tokens - self.window
-        return torch.linspace(self.val_start, last, n, dtype=torch.float64).long()
-
-    def _val_batches(self) -> list[Batch]:
-        x, y = self._windows(self.val_offsets)
-        return list(zip(x.split(self.cfg.batch_size), y.split(self.cfg.batch_size), strict=True))
 
     def check_position(self, partition: Any, step: Any) -> None:
         """ValueError unless ``partition`` and ``step`` name a batch of this task."""
@@ -143,16 +160,17 @@ class LMTask:
             raise ValueError(f"step {step} is outside the allowed range 0..")
 
     def batch(self, partition: int, step: int) -> Batch:
-        """Inputs and next-token targets, both (batch_size, seq_len) int64, at random offsets
-        inside ``partition`` drawn from a generator seeded by (seed, partition, step)."""
+        """Inputs and next-token targets, both (batch_size, seq_len) int64: windows of
+        ``partition`` drawn (with replacement) by a generator seeded by (seed, partition, step)."""
         return self._windows(self.batch_offsets(partition, step))
 
     def batch_offsets(self, partition: int, step: int) -> Tensor:
         """Start offsets (into the token stream) of the sequences of ``batch(partition, step)``."""
         self.check_position(partition, step)
-        start, end = self.bounds[partition]
+        windows = self.partition_windows[partition]
         gen = torch.Generator().manual_seed(_step_seed(self.seed, partition, step))
-        return torch.randint(start, end - self.window + 1, (self.cfg.batch_size,), generator=gen)
+        picks = torch.randint(0, len(windows), (self.cfg.batch_size,), generator=gen)
+        return windows[picks] * self.window
 
     def batches(self, partition: int, step: int = 0) -> PartitionBatches:
         return PartitionBatches(self, partition, step)
@@ -181,15 +199,18 @@ class LMTask:
         return self.loss_fn(model, batch)
 
     def val_loss(self, model: nn.Module) -> float:
-        """Mean loss over the fixed validation batches, in eval mode without gradients."""
+        """Mean loss over the validation windows (scored batch_size at a time, each batch
+        weighted by its windows), in eval mode without gradients."""
         was_training = model.training
         model.eval()
+        total = 0.0
         try:
             with torch.no_grad():
-                losses = [self.loss(model, batch).item() for batch in self._val]
+                for offsets in self.val_offsets.split(self.cfg.batch_size):
+                    total += self.loss(model, self._windows(offsets)).item() * len(offsets)
         finally:
             model.train(was_training)
-        return sum(losses) / len(losses)
+        return total / len(self.val_offsets)
 
     def model_files(self, model: nn.Module) -> dict[str, str]:
         """What a checkpoint keeps beside the weights: the model's config.json, and the
@@ -209,6 +230,10 @@ def _embedding_rows(model: nn.Module) -> int | None:
     if not isinstance(embedding, nn.Embedding):
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return embedding.num_embeddings if embedding is not None else None
+
+
+def _seed_hex(*parts: object) -> str:
+    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
 def _fingerprint(tokens: Tensor, vocab_size: int) -> str:

@@ -25,7 +25,7 @@ TOKEN = "integration"
 # gpt-tiny with short sequences and few inner steps: a round takes well under a second.
 SMALL = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
-    "task.val_batches": "2", "task.corpus_bytes": "300000",
+    "task.val_windows": "16", "task.corpus_bytes": "300000",
     "inner.steps": "8", "inner.warmup_steps": "4", "inner.lr": "3e-3",
     "coordinator.join_timeout_s": "60",
 }

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 WORKERS, ROUNDS = 3, 3
 EXAMPLES = ROOT / "examples"
 # Fewer, shorter inner steps than the examples' own, so that three rounds take seconds.
-FAST = {"inner.steps": 8, "inner.warmup_steps": 4, "task.val_batches": 2, "task.corpus_bytes": 300_000,
+FAST = {"inner.steps": 8, "inner.warmup_steps": 4, "task.val_windows": 16, "task.corpus_bytes": 300_000,
         "network.wan": "unlimited", "coordinator.join_timeout_s": 120}
 
 

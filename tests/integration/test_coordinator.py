@@ -32,7 +32,7 @@ def make_config(**overrides):
     base = {
         "workers": 2, "rounds": 3, "seed": 0,
         "task.model": "gpt-tiny", "task.seq_len": 16, "task.batch_size": 4,
-        "task.val_batches": 1, "task.corpus_bytes": 100_000,
+        "task.val_windows": 4, "task.corpus_bytes": 100_000,
         "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
         "coordinator.deadline_s": 60.0, "coordinator.join_timeout_s": 60.0,
         "coordinator.checkpoint_every": 0,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 def test_simulate_ends_with_the_parameters_of_a_local_run(scheme: str, tmp_path: Path) -> None:
     cfg = load_config(overrides={
         "workers": 2, "rounds": 2, "inner.steps": 2, "task.seq_len": 16, "task.batch_size": 2,
-        "task.val_batches": 1, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
+        "task.val_windows": 2, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
         "run_dir": str(tmp_path / "run"), "coding.scheme": scheme,
         "coding.stragglers": 0 if scheme == "none" else 1,
     })

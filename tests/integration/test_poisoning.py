@@ -35,7 +35,7 @@ def train(run_dir: Path, poisons: dict[int, Fault], deadline_s: float = 120.0) -
     metrics lines and each worker's exit code."""
     cfg = load_config(overrides={
         "workers": 4, "rounds": ROUNDS, "seed": 0, "task.model": "gpt-tiny", "task.seq_len": 32,
-        "task.batch_size": 8, "task.val_batches": 2, "task.corpus_bytes": 300_000, "inner.steps": 6,
+        "task.batch_size": 8, "task.val_windows": 16, "task.corpus_bytes": 300_000, "inner.steps": 6,
         "inner.warmup_steps": 3, "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
         "coordinator.checkpoint_every": 0, "coordinator.deadline_s": deadline_s,
         "coordinator.join_timeout_s": 120.0})

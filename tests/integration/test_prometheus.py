@@ -111,7 +111,7 @@ def prometheus_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp_path = tmp_path_factory.mktemp("prometheus")
     cfg = validate(RunConfig.from_dict({
         "workers": 2, "rounds": ROUNDS, "run_dir": str(tmp_path / "run"),
-        "task": {"model": "gpt-tiny", "seq_len": 16, "batch_size": 4, "val_batches": 1,
+        "task": {"model": "gpt-tiny", "seq_len": 16, "batch_size": 4, "val_windows": 4,
                  "corpus_bytes": 100_000},
         "inner": {"steps": 3, "warmup_steps": 2},
         "network": {"wan": "1gbit/1ms"},

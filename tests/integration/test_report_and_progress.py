@@ -42,7 +42,7 @@ def diloco_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "diloco"
     cfg = validate(RunConfig.from_dict({
         "workers": 2, "rounds": ROUNDS, "run_dir": str(run_dir),
-        "task": {"model": "gpt-tiny", "seq_len": 32, "batch_size": 8, "val_batches": 2, "corpus_bytes": 300_000},
+        "task": {"model": "gpt-tiny", "seq_len": 32, "batch_size": 8, "val_windows": 16, "corpus_bytes": 300_000},
         "inner": {"steps": 8, "warmup_steps": 4}, "compression": {"method": "diloco"},
         "coordinator": {"listen": "127.0.0.1:0", "token": TOKEN, "checkpoint_every": 0}}))
     coordinator = geoloco.Coordinator(cfg)

@@ -40,7 +40,7 @@ def coordinator(pki, tmp_path_factory) -> Iterator[Coordinator]:
     run = pki[0]
     cfg = load_config(overrides={
         "workers": 3, "rounds": 2, "task.model": "gpt-tiny", "task.seq_len": 16, "task.batch_size": 4,
-        "task.val_batches": 1, "task.corpus_bytes": 100_000, "coordinator.listen": "127.0.0.1:0",
+        "task.val_windows": 4, "task.corpus_bytes": 100_000, "coordinator.listen": "127.0.0.1:0",
         "coordinator.token": TOKEN, "coordinator.join_timeout_s": 600.0, "coordinator.checkpoint_every": 0,
         "tls.cert": str(run / certs.COORDINATOR_CERT), "tls.key": str(run / certs.COORDINATOR_KEY),
         "tls.ca": str(run / certs.CA_CERT)})

@@ -28,7 +28,7 @@ def config(run_dir: Path, **overrides: object) -> geoloco.RunConfig:
     return geoloco.load_config(overrides={
         "workers": 2, "rounds": 2, "run_dir": str(run_dir), "coordinator.listen": "127.0.0.1:0",
         "coordinator.token": TOKEN, "coordinator.checkpoint_every": 1, "coordinator.join_timeout_s": 60,
-        "task.seq_len": 16, "task.batch_size": 4, "task.val_batches": 1, "task.corpus_bytes": 60_000,
+        "task.seq_len": 16, "task.batch_size": 4, "task.val_windows": 4, "task.corpus_bytes": 60_000,
         "inner.steps": 2, "inner.warmup_steps": 1, **overrides})
 
 

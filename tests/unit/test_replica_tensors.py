@@ -45,7 +45,7 @@ def odd_bf16(spec):
 
 
 def task_for(factory: str):
-    cfg = TaskConfig(model=f"{__file__}:{factory}", seq_len=16, batch_size=4, val_batches=1,
+    cfg = TaskConfig(model=f"{__file__}:{factory}", seq_len=16, batch_size=4, val_windows=4,
                      corpus_bytes=40_000, tokenizer="bytes")
     return build_task(cfg, 2, seed=5)
 
@@ -106,7 +106,7 @@ def test_bf16_parameters_train_behind_an_fp32_master_copy() -> None:
 
 
 def test_bf16_autocast_on_the_cpu_keeps_deltas_fp32() -> None:
-    task = build_task(TaskConfig(seq_len=16, batch_size=4, val_batches=1, corpus_bytes=40_000), 2)
+    task = build_task(TaskConfig(seq_len=16, batch_size=4, val_windows=4, corpus_bytes=40_000), 2)
     fp32 = InnerTrainer(task, INNER, rounds=2, device=CPU, precision="fp32")
     bf16 = InnerTrainer(task, INNER, rounds=2, device=CPU, precision="bf16")
     assert resolve_precision("auto", CPU) == "fp32" and bf16.precision == "bf16"
@@ -124,7 +124,7 @@ def test_a_trainer_reports_and_resumes_its_data_positions() -> None:
     theta = [p.detach().clone() for p in trainer.params]
     trainer.train_partition(theta, 1, 0)
     saved = trainer.data_state()
-    assert saved == {1: {"partition": 1, "step": 3, "data": task.fingerprint}}
+    assert saved == {1: {"partition": 1, "step": 3, "data": task.split_fingerprint}}
     resumed = InnerTrainer(task, INNER, rounds=4, device=CPU)
     resumed.load_data_state(saved)
     assert resumed.positions[1].step == 3

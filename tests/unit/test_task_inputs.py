@@ -19,7 +19,7 @@ from geoloco.tasks.tokenize import END_OF_TEXT, train_bpe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_LLAMA = ROOT / "examples" / "tiny_llama"
-SMALL = {"seq_len": 16, "batch_size": 4, "val_batches": 1, "corpus_bytes": 60_000}
+SMALL = {"seq_len": 16, "batch_size": 4, "val_windows": 4, "corpus_bytes": 60_000}
 LINE = "def add(a, b):\n    return a + b  # the sum of two numbers\n"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -88,12 +88,13 @@ def test_a_tokenizer_json_file_is_read(records: Path, tmp_path: Path) -> None:
     assert from_file.fingerprint == from_folder.fingerprint == trained.fingerprint
 
 
-def test_partitions_cover_the_tokens_without_overlap_or_gap(records: Path) -> None:
+def test_partitions_cover_the_training_windows_without_overlap(records: Path) -> None:
     task = build_task(task_cfg(data=str(records / "corpus.jsonl"), tokenizer="train:400"), 3)
-    assert task.bounds[0][0] == 0 and task.bounds[-1][1] == task.val_start
-    assert all(a[1] == b[0] for a, b in zip(task.bounds, task.bounds[1:], strict=False))
+    dealt = torch.cat([*task.partition_windows, task.val_offsets // task.window]).sort().values
+    assert torch.equal(dealt, torch.arange(task.n_windows))  # every window once
     again = build_task(task_cfg(data=str(records / "corpus.jsonl"), tokenizer="train:400"), 3, seed=0)
-    assert again.bounds == task.bounds and torch.equal(again.batch(1, 5)[0], task.batch(1, 5)[0])
+    assert all(torch.equal(a, b) for a, b in zip(again.partition_windows, task.partition_windows, strict=True))
+    assert torch.equal(again.batch(1, 5)[0], task.batch(1, 5)[0])
 
 
 def test_the_batch_iterator_resumes_from_its_saved_position() -> None:
@@ -103,7 +104,7 @@ def test_the_batch_iterator_resumes_from_its_saved_position() -> None:
     for _ in range(5):
         next(batches)
     saved = batches.state_dict()
-    assert saved == {"partition": 1, "step": 5, "data": task.fingerprint}
+    assert saved == {"partition": 1, "step": 5, "data": task.split_fingerprint}
     resumed = build_task(task_cfg(), 2, seed=3).batches(1)
     resumed.load_state_dict(saved)
     for a, b in zip([next(batches) for _ in range(3)], [next(resumed) for _ in range(3)], strict=True):

@@ -1,4 +1,4 @@
-"""Tasks: deterministic model init and batches, the partition/validation split, preset
+"""Tasks: deterministic model init and batches, batches inside their partition, preset
 sizes, a few AdamW steps lowering the loss, user corpora and corpus errors."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from geoloco.tasks import (
     load_corpus,
     stdlib_root,
 )
+from geoloco.tasks.corpus import pinned_bytes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -81,40 +82,21 @@ def test_batches_are_a_function_of_partition_step_and_seed(task):
     assert not torch.equal(x, build_task(TaskConfig(), 4, seed=1).batch(2, 7)[0])
 
 
-def test_partitions_are_contiguous_disjoint_and_cover_the_training_bytes(task):
-    starts = [s for s, _ in task.bounds]
-    ends = [e for _, e in task.bounds]
-    assert starts[0] == 0 and ends[-1] == task.val_start
-    assert starts[1:] == ends[:-1]
-    assert sum(task.partition_sizes) == task.val_start
-    assert max(task.partition_sizes) - min(task.partition_sizes) <= 1
-    assert task.n_tokens == TaskConfig().corpus_bytes
-
-
-def test_batches_stay_inside_their_partition_and_out_of_validation(task):
-    for p, (start, end) in enumerate(task.bounds):
+def test_batches_are_windows_of_their_partition(task):
+    for p, windows in enumerate(task.partition_windows):
+        allowed = set((windows * task.window).tolist())
         for step in range(20):
-            offsets = task.batch_offsets(p, step)
-            assert offsets.min() >= start and offsets.max() + task.window <= end
+            assert set(task.batch_offsets(p, step).tolist()) <= allowed
     x, _ = task.batch(3, 0)
     first = task.batch_offsets(3, 0)[0]
     assert torch.equal(x[0], task.data[first : first + 64].long())
+    assert task.n_tokens == TaskConfig().corpus_bytes
 
 
-def test_validation_split_is_the_held_out_tail(task):
-    val_size = task.n_tokens - task.val_start
-    assert val_size >= 0.05 * task.n_tokens
-    assert task.val_offsets.min() >= task.val_start
+def test_validation_set_has_val_windows_windows_in_stream_order(task):
+    assert len(task.val_offsets) == TaskConfig().val_windows == 1024
+    assert task.val_offsets.diff().min() >= task.window  # non-overlapping
     assert task.val_offsets.max() + task.window <= task.n_tokens
-    gaps = task.val_offsets.diff()
-    assert gaps.min() >= task.window  # non-overlapping
-    assert len(task.val_offsets) == TaskConfig().val_batches * TaskConfig().batch_size
-
-
-def test_validation_split_grows_to_fit_the_batches():
-    cfg = TaskConfig(corpus_bytes=200_000, val_batches=40, batch_size=16, seq_len=64)
-    small = build_task(cfg, 2)
-    assert small.n_tokens - small.val_start == 40 * 16 * 65  # > 5 % of 200 kB
 
 
 @pytest.mark.parametrize(
@@ -135,7 +117,7 @@ def test_analytic_count_matches_the_built_model(model, seq_len):
 
 
 def test_few_adamw_steps_lower_the_validation_loss():
-    task = build_task(TaskConfig(seq_len=32, batch_size=8), 4, seed=0)  # small batches: fast
+    task = build_task(TaskConfig(seq_len=32, batch_size=8, val_windows=128), 4, seed=0)  # fast
     model = task.make_model()
     before = task.val_loss(model)
     assert before == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3)
@@ -151,16 +133,23 @@ def test_few_adamw_steps_lower_the_validation_loss():
     assert after < before - 0.5  # from ln 256 towards the byte unigram entropy
 
 
-def test_val_loss_restores_eval_mode_too(task):
+def test_val_loss_restores_eval_mode_too():
+    task = build_task(TaskConfig(seq_len=16, val_windows=8), 2)
     model = task.make_model().eval()
     task.val_loss(model)
     assert not model.training
 
 
-def test_default_corpus_is_stdlib_sources_in_sorted_order():
-    corpus = load_corpus(None, 10_000)
+def test_stdlib_corpus_is_this_pythons_sources_in_sorted_order():
+    corpus = load_corpus("stdlib", 10_000)
     assert len(corpus) == 10_000
     assert corpus.startswith((stdlib_root() / "__future__.py").read_bytes()[:10_000])
+    assert build_task(TaskConfig(data="stdlib", corpus_bytes=100_000, val_windows=8), 2).n_tokens == 100_000
+
+
+def test_default_corpus_is_the_pinned_one():
+    assert load_corpus(None, 50_000) == pinned_bytes()[:50_000]
+    assert build_task(TaskConfig(corpus_bytes=50_000, val_windows=8), 2).n_tokens == 50_000
 
 
 def test_build_from_run_config():
@@ -179,7 +168,7 @@ def test_data_folder_is_read_in_sorted_order_skipping_binary(tmp_path):
     _write(tmp_path / "a" / "z.md", "\u00e9".encode() * 15_000)
     _write(tmp_path / "c.bin", b"\x00\x01\x02" * 1000)
     _write(tmp_path / "d.txt", b"\xff\xfe not utf-8")
-    cfg = TaskConfig(data=str(tmp_path), corpus_bytes=1_000_000, val_batches=2)
+    cfg = TaskConfig(data=str(tmp_path), corpus_bytes=1_000_000, val_windows=8)
     task = build_task(cfg, 3, seed=0)
     assert task.n_tokens == 60_000
     assert bytes(task.data[:30_000].tolist()) == "\u00e9".encode() * 15_000
@@ -188,7 +177,7 @@ def test_data_folder_is_read_in_sorted_order_skipping_binary(tmp_path):
 
 def test_data_file_is_capped_by_corpus_bytes(tmp_path):
     _write(tmp_path / "one.txt", b"hello world\n" * 10_000)
-    task = build_task(TaskConfig(data=str(tmp_path / "one.txt"), corpus_bytes=50_000), 2)
+    task = build_task(TaskConfig(data=str(tmp_path / "one.txt"), corpus_bytes=50_000, val_windows=8), 2)
     assert task.n_tokens == 50_000
 
 

@@ -10,7 +10,7 @@ from geoloco.config import InnerConfig, TaskConfig
 from geoloco.tasks import build_task
 from geoloco.worker.trainer import InnerTrainer, lr_at, resolve_device
 
-TASK = TaskConfig(model="gpt-tiny", seq_len=32, batch_size=4, val_batches=2, corpus_bytes=200_000)
+TASK = TaskConfig(model="gpt-tiny", seq_len=32, batch_size=4, val_windows=8, corpus_bytes=200_000)
 
 
 def test_lr_warms_up_linearly_then_decays_to_the_floor() -> None:

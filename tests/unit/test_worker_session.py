@@ -218,7 +218,7 @@ def test_flipping_result_changes_one_parameter_before_applying(serve) -> None:
 # ---------------------------------------------------------------- real coordinator, real workers
 
 RUN = {
-    "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "4", "task.val_batches": "1",
+    "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "4", "task.val_windows": "4",
     "task.corpus_bytes": "200000", "inner.steps": "2", "inner.warmup_steps": "2",
     "coordinator.checkpoint_every": "0", "coordinator.join_timeout_s": "60",
 }
