@@ -26,6 +26,7 @@ Two stages, never on the same seeds:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -41,11 +42,12 @@ import torch
 from benchmarks.inprocess import VAL_TAIL, simulate
 from benchmarks.provenance import provenance
 from geoloco.compression import Layout, encode_dense
-from geoloco.config import RunConfig, TaskConfig, load_config
+from geoloco.config import RunConfig, load_config
 from geoloco.schedule import lr_at
 from geoloco.tasks import build_task
 
 TUNED_FILE = Path(__file__).with_name("parity_tuned.json")
+CACHE_DIR = Path("runs/parity-cache")
 TARGET_MEAN, TARGET_UPPER, TARGET_UPLOAD = 1.00, 1.02, 0.03
 METHODS = ("sparseloco", "diloco", "adamw")
 TUNE_SEEDS = (100, 101)
@@ -78,6 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per worker and inner step")
     p.add_argument("--val-windows", type=int, default=1024, help="held-out validation windows")
+    p.add_argument("--partitioning", default="iid", help="task.partitioning: iid | contiguous")
     p.add_argument("--seeds", type=int, default=5, help="evaluation seeds 0 .. SEEDS-1")
     p.add_argument("--arms", default="primary",
                    help=f"primary | all | a comma-separated list of {', '.join(ARMS)}")
@@ -95,9 +98,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for method, grid in OUTER_LRS.items():
         p.add_argument(f"--{method}-outer-lrs", default=",".join(map(str, grid)), help=f"{method}'s outer lr grid")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
+    p.add_argument("--cache", default=None,
+                   help=f"a folder of finished runs, by config: a run found there is not trained again "
+                        f"(default {CACHE_DIR}, with --quick none; 'none': off)")
+    p.add_argument("--only", default=None, metavar="LABELS",
+                   help="train only these comma-separated labels (diloco, adamw, an arm) into the cache, no report")
     p.add_argument("--quick", action="store_true", help="a few steps: checks the plumbing only")
     args = p.parse_args(argv)
     args.sparseloco_set += args.sparseloco_set_old
+    if args.cache is None:
+        args.cache = "none" if args.quick else str(CACHE_DIR)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -126,18 +136,12 @@ class Job:
     seed: int
 
 
-def validation_field() -> str:
-    """The TaskConfig field that sizes the validation set (held-out windows, or batches of
-    the older task)."""
-    return "val_windows" if "val_windows" in TaskConfig.__dataclass_fields__ else "val_batches"
-
-
 def base_overrides(args: argparse.Namespace, rounds: int) -> dict[str, Any]:
     """The task, the size of the run and the warm-up, the same for every method."""
-    size = args.val_windows if validation_field() == "val_windows" else max(1, args.val_windows // args.batch_size)
     return {
         "workers": args.workers, "rounds": rounds, "task.model": args.model, "task.seq_len": args.seq_len,
-        "task.batch_size": args.batch_size, f"task.{validation_field()}": size,
+        "task.batch_size": args.batch_size, "task.val_windows": args.val_windows,
+        "task.partitioning": args.partitioning,
         "inner.steps": args.inner_steps, "inner.warmup_steps": round(args.warmup * rounds * args.inner_steps),
     }
 
@@ -201,14 +205,39 @@ def run_job(job: Job) -> dict[str, Any]:
     return {"loss": loss, "upload": upload, "seconds": time.monotonic() - start}
 
 
-def run_all(jobs: list[Job], n_jobs: int) -> list[dict[str, Any]]:
-    """Every job, ``n_jobs`` at a time, one process each; printed as they finish."""
+def cache_path(cache: str, job: Job) -> Path | None:
+    """Where ``job``'s result is kept: a hash of everything that decides it (the resolved
+    config, the method, the validation tail)."""
+    if cache == "none":
+        return None
+    what = json.dumps({"method": job.method, "config": run_config(job).to_dict(), "val_tail": VAL_TAIL},
+                      sort_keys=True)
+    return Path(cache) / f"{hashlib.sha256(what.encode()).hexdigest()[:24]}.json"
+
+
+def run_cached(job: Job, cache: str) -> dict[str, Any]:
+    """``run_job``, or its result from the cache; a new result is written there."""
+    path = cache_path(cache, job)
+    if path is not None and path.exists():
+        return {**json.loads(path.read_text()), "cached": True}
+    result = run_job(job)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**result, "label": job.label, "seed": job.seed}))
+        tmp.replace(path)
+    return result
+
+
+def run_all(jobs: list[Job], n_jobs: int, cache: str = "none") -> list[dict[str, Any]]:
+    """Every job, ``n_jobs`` at a time, one process each; printed in job order."""
     with ProcessPoolExecutor(max_workers=n_jobs) as pool:
-        futures = [pool.submit(run_job, job) for job in jobs]
+        futures = [pool.submit(run_cached, job, cache) for job in jobs]
         out = []
         for job, future in zip(jobs, futures, strict=True):
             r = future.result()
-            print(f"  {job.label:<34} seed {job.seed:<4} loss {r['loss']:.4f}  ({r['seconds']:.0f} s)", flush=True)
+            how = "cached" if r.get("cached") else f"{r['seconds']:.0f} s"
+            print(f"  {job.label:<34} seed {job.seed:<4} loss {r['loss']:.4f}  ({how})", flush=True)
             out.append(r)
     return out
 
@@ -251,7 +280,7 @@ def tune_stage(args: argparse.Namespace, base: dict[str, Any], points: dict[str,
     user = {m: pairs(getattr(args, f"{m}_set")) for m in METHODS}
     jobs = [Job(f"{m} {key(pt)}", m, {**base, **pt, **user[m]}, s)
             for m, pts in points.items() for pt in pts if key(pt) not in done[m] for s in seeds]
-    for job, r in zip(jobs, run_all(jobs, args.jobs), strict=True):
+    for job, r in zip(jobs, run_all(jobs, args.jobs, args.cache), strict=True):
         done[job.method].setdefault(job.label.split(" ", 1)[1], []).append(r["loss"])
 
 
@@ -377,11 +406,17 @@ def rounded(value: Any) -> Any:
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     tuned = load_tuned(args.tuned)
     jobs = evaluation_jobs(args, tuned)
+    if args.only:
+        keep = args.only.split(",")
+        jobs = [j for j in jobs if j.label in keep]
+        results = run_all(jobs, args.jobs, args.cache)
+        return {"only": keep, "loss": {label: [round(r["loss"], 4) for j, r in zip(jobs, results, strict=True)
+                                                if j.label == label] for label in keep}}
     first = run_config(jobs[0])
     bf16 = dense_bf16_bytes(first)
     print(f"{len(jobs)} runs, {args.jobs} at a time; tuned settings from "
           f"{args.tuned if tuned else 'nowhere (defaults)'}", flush=True)
-    rows = summarize(jobs, run_all(jobs, args.jobs), bf16)
+    rows = summarize(jobs, run_all(jobs, args.jobs, args.cache), bf16)
     print_evaluation(args, rows, bf16)
     arms = {label: {k: row[k] for k in ("ratios", "ratio_mean", "ratio_upper95", "loss", "loss_mean", "loss_sd",
                                          "gap_to_adamw", "upload_bytes_per_worker_round", "upload_vs_dense_bf16",
@@ -391,6 +426,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return rounded({
         "arms": arms, "ratio_mean": primary["ratio_mean"], "ratio_upper95": primary["ratio_upper95"],
         "rounds": args.rounds, "seeds": list(range(args.seeds)), "workers": args.workers,
+        "partitioning": args.partitioning, "model": args.model, "batch": [args.batch_size, args.seq_len],
         "inner_steps": args.inner_steps, "warmup_steps": first.inner.warmup_steps,
         "val_tail": VAL_TAIL, "dense_bf16_bytes": bf16,
         "diloco": {k: rows["diloco"][k] for k in ("loss", "loss_mean", "loss_sd", "upload_bytes_per_worker_round", "settings")},

@@ -42,15 +42,19 @@ def git_commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def corpus_fingerprint(task: TaskConfig) -> str:
-    """The fingerprint of the token stream ``task`` reads (the corpus is cached per process)."""
+def corpus(task: TaskConfig) -> dict[str, Any]:
+    """Which text ``task`` reads (``pinned``: geoloco.tasks.corpus, with its SHA-256
+    prefix; else the task.data path) and the fingerprint of the token stream it trains on
+    (after the task.corpus_bytes cap and the tokenizer; the stream is cached per process)."""
     from geoloco.tasks import build_task
+    from geoloco.tasks.corpus import corpus_fingerprint
 
-    return build_task(task, 1).fingerprint
+    source = f"pinned:{corpus_fingerprint()}" if task.data is None else task.data
+    return {"corpus": source, "data_fingerprint": build_task(task, 1).fingerprint}
 
 
 def provenance(task: TaskConfig | None = None) -> dict[str, Any]:
-    """``{"corpus": fingerprint or None, "versions": {...}}`` for a benchmark's JSON line;
-    ``task`` None for a benchmark that reads no corpus (synthetic tensors)."""
-    return {"corpus": corpus_fingerprint(task) if task is not None else None,
-            "versions": {**versions(), "commit": git_commit()}}
+    """``{"corpus", "data_fingerprint", "versions"}`` for a benchmark's JSON line;
+    ``task`` None for a benchmark that reads no corpus (synthetic tensors: both None)."""
+    data = corpus(task) if task is not None else {"corpus": None, "data_fingerprint": None}
+    return {**data, "versions": {**versions(), "commit": git_commit()}}

@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks import ef_drift
 from benchmarks.inprocess import Stragglers, simulate
-from benchmarks.parity import upper95, validation_field
+from benchmarks.parity import upper95
 from benchmarks.provenance import provenance
 from geoloco.config import load_config
 from geoloco.coordinator.gradient_coding import make_code
@@ -103,11 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         args.workers, args.rounds, args.inner_steps, args.seq_len, args.batch_size = 4, 3, 2, 16, 2
         args.val_windows, args.seeds = 8, 2
     start = time.monotonic()
-    field = validation_field()
     base = {"workers": args.workers, "rounds": args.rounds, "inner.steps": args.inner_steps,
             "inner.warmup_steps": round(0.15 * args.rounds * args.inner_steps), "task.seq_len": args.seq_len,
-            "task.batch_size": args.batch_size,
-            f"task.{field}": args.val_windows if field == "val_windows" else max(1, args.val_windows // args.batch_size)}
+            "task.batch_size": args.batch_size, "task.val_windows": args.val_windows}
     divisible = args.workers % (args.stragglers + 1) == 0  # FR and aligned CR need (s + 1) | n
     schemes = [sc for sc in SCHEMES if divisible or not (sc.name.endswith("-fr") or sc.aligned)]
     jobs = [(sc, base, args.stragglers, seed) for seed in range(args.seeds) for sc in schemes]

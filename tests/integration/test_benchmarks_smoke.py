@@ -53,12 +53,13 @@ def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
 
 def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
     """``--tune --quick`` writes a settings file; the evaluation reads it back and trains
-    DiLoCo and AdamW with the settings it names."""
-    tuned = tmp_path / "tuned.json"
+    DiLoCo and AdamW with the settings it names; every run lands in the cache once."""
+    tuned, cache = tmp_path / "tuned.json", tmp_path / "cache"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     for extra in (["--tune"], []):
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.parity", "--quick", "--tuned", str(tuned), *extra],
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.parity", "--quick", "--tuned", str(tuned),
+                               "--cache", str(cache), *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     chosen = json.loads(tuned.read_text())["tuned"]
@@ -68,6 +69,9 @@ def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
     assert result["diloco"]["settings"]["outer.lr"] == chosen["diloco"]["outer.lr"], result
     assert result["adamw"]["settings"]["inner.lr"] == chosen["adamw"]["inner.lr"], result
     assert len(result["arms"]["sparseloco"]["ratios"]) == len(result["seeds"]), result
+    stored = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    evaluated = {(r["label"], r["seed"]) for r in stored if r["seed"] in result["seeds"]}
+    assert evaluated == {(m, s) for m in ("sparseloco", "diloco", "adamw") for s in result["seeds"]}, stored
 
 
 SECURITY_KEYS = {
