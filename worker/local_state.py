@@ -71,6 +71,10 @@ def load(path: Path, training: Any) -> int:
         raise LocalStateError(f"{path} was saved for another model layout")
     if state["data_fingerprint"] != training.cfg.task.data_fingerprint:
         raise LocalStateError(f"{path} was saved for other data")
+    split = training.trainer.task.split_fingerprint
+    if any(position.get("data") != split for position in state["data"].values()):
+        raise LocalStateError(f"{path} was saved under another split of the data (task.partitioning, "
+                              "task.seq_len, task.val_windows, workers or seed)")
     compressor = training.encoder.compressor
     if isinstance(compressor, Compressor) and state["error_feedback"] is not None:
         compressor.load_state_dict(state["error_feedback"])

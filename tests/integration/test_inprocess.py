@@ -2,7 +2,8 @@
 thing: the same config through ``geoloco local`` (coordinator and worker processes, gRPC,
 relays) and through ``simulate`` ends with the same parameters, bit for bit, uncoded and
 under classic FR (whose group-mates' frames are the same: whichever arrives first is
-chosen, the other one settles by CREDIT). Cost: two local runs of 2 workers, about 25 s each."""
+chosen, the other one settles by CREDIT), the first on iid partitions, the second on
+contiguous ones. Cost: two local runs of 2 workers, about 25 s each."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from geoloco.launch import run_local
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("scheme", ["none", "gc-fr"])
-def test_simulate_ends_with_the_parameters_of_a_local_run(scheme: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheme, partitioning", [("none", "iid"), ("gc-fr", "contiguous")])
+def test_simulate_ends_with_the_parameters_of_a_local_run(scheme: str, partitioning: str,
+                                                          tmp_path: Path) -> None:
     cfg = load_config(overrides={
         "workers": 2, "rounds": 2, "inner.steps": 2, "task.seq_len": 16, "task.batch_size": 2,
         "task.val_windows": 2, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
         "run_dir": str(tmp_path / "run"), "coding.scheme": scheme,
-        "coding.stragglers": 0 if scheme == "none" else 1,
+        "coding.stragglers": 0 if scheme == "none" else 1, "task.partitioning": partitioning,
     })
     assert run_local(cfg).ok
     reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "run" / "workers").glob("worker-*.json"))]

@@ -70,6 +70,8 @@ def test_the_only_top_level_name_is_geoloco(wheel: Path) -> None:
         assert f"geoloco/{package}/__init__.py" in names
     assert "geoloco/py.typed" in names
     assert "geoloco/protos/geoloco.proto" in names
+    # the pinned corpus and its licence (geoloco.tasks.corpus)
+    assert {"geoloco/tasks/stdlib311.jsonl.xz", "geoloco/tasks/stdlib311.LICENSE.txt"} <= set(names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
@@ -85,6 +87,14 @@ def _run(env_dir: Path, args: list[str], cwd: Path, stand_in: Path | None = None
 def test_version_runs_outside_the_checkout(fresh_env: Path, tmp_path: Path) -> None:
     out = _run(fresh_env, [str(fresh_env / "bin" / "geoloco"), "--version"], cwd=tmp_path)
     assert out.strip() == f"geoloco {geoloco.__version__}"
+
+
+def test_the_installed_wheel_reads_the_pinned_corpus(fresh_env: Path, tmp_path: Path) -> None:
+    from geoloco.tasks.corpus import corpus_fingerprint, pinned_bytes
+
+    code = "from geoloco.tasks.corpus import *; print(len(pinned_bytes()), corpus_fingerprint())"
+    out = _run(fresh_env, [str(fresh_env / "bin" / "python"), "-c", code], cwd=tmp_path)
+    assert out.split() == [str(len(pinned_bytes())), corpus_fingerprint()]
 
 
 def test_a_compression_package_ahead_of_site_packages_changes_nothing(fresh_env: Path, tmp_path: Path) -> None:

@@ -1,20 +1,27 @@
 """The data split (geoloco.tasks.lm): iid and contiguous partitions disjoint from each other
-and from the fixed-seed validation set spread over the corpus, deterministic batches, the
-true mean over the validation windows, positions refused across splits, and the pinned
+and from the fixed-seed validation set spread over the corpus, deterministic batches (the
+same Δ on every replica of a partition), the true mean over the validation windows,
+positions resumed under their split and refused under another, and the pinned
 corpus (geoloco.tasks.corpus): its bytes, its SHA-256 and the error a corrupt file gives."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import lzma
 
 import pytest
 import torch
 
-from geoloco.config import ConfigError, TaskConfig, load_config
+from geoloco.config import ConfigError, InnerConfig, TaskConfig, load_config
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.tasks import TaskError, build_task, corpus
 from geoloco.tasks.lm import validation_windows
+from geoloco.worker import local_state
+from geoloco.worker.loop import Training
+from geoloco.worker.trainer import InnerTrainer
 
+CPU = torch.device("cpu")
 CFG = {"seq_len": 16, "batch_size": 4, "val_windows": 64, "corpus_bytes": 200_000}
 SPLITS = ("iid", "contiguous")
 
@@ -103,6 +110,31 @@ def test_val_loss_is_the_mean_over_windows_with_a_partial_last_batch():
     assert task.val_loss(model) == pytest.approx(sum(per_window) / 10, rel=1e-5)
 
 
+@pytest.mark.parametrize("partitioning", SPLITS)
+def test_replicas_of_a_partition_compute_the_same_pseudo_gradient(partitioning):
+    """Gradient coding's decode needs every replica of a partition in a round to train on
+    the same batches: two workers' tasks and trainers, built apart, give the same Δ."""
+    inner = InnerConfig(steps=2, warmup_steps=1)
+    a, b = (InnerTrainer(make(partitioning), inner, rounds=4, device=CPU) for _ in range(2))
+    theta = [p.detach().clone() for p in a.params]
+    (da, _), (db, _) = a.train_partition(theta, 2, 3), b.train_partition(theta, 2, 3)
+    assert all(torch.equal(x, y) for x, y in zip(da, db, strict=True))
+
+
+@pytest.mark.parametrize("partitioning", SPLITS)
+def test_a_trainers_data_positions_resume_under_its_split_only(partitioning):
+    inner = InnerConfig(steps=2, warmup_steps=1)
+    trainer = InnerTrainer(make(partitioning), inner, rounds=4, device=CPU)
+    trainer.train_partition([p.detach().clone() for p in trainer.params], 1, 1)
+    saved = trainer.data_state()
+    resumed = InnerTrainer(make(partitioning), inner, rounds=4, device=CPU)
+    resumed.load_data_state(saved)
+    assert resumed.positions[1].step == 4
+    other = "contiguous" if partitioning == "iid" else "iid"
+    with pytest.raises(ValueError, match="saved for data"):
+        InnerTrainer(make(other), inner, rounds=4, device=CPU).load_data_state(saved)
+
+
 def test_split_fingerprint_changes_with_everything_that_moves_the_windows():
     base = make("iid")
     others = [make("contiguous"), make(val_windows=65), make(seq_len=17), make(n=3), make(seed=1)]
@@ -138,6 +170,7 @@ def test_partitioning_and_val_windows_are_validated():
     with pytest.raises(ConfigError, match="task.val_batches was renamed: give task.val_windows"):
         load_config(overrides={"task.val_batches": 4})
     assert load_config().task.partitioning == "iid" and load_config().task.val_windows == 1024
+    assert load_config(overrides={"task.data": "stdlib"}).task.data == "stdlib"  # a keyword, no path
 
 
 def test_the_pinned_corpus_is_the_pinned_bytes():
@@ -158,7 +191,7 @@ def test_a_corrupt_pinned_corpus_is_a_clear_error(tmp_path, monkeypatch):
     bad = tmp_path / "stdlib311.jsonl.xz"
     good = lzma.decompress(corpus.CORPUS_FILE.read_bytes())
     cases = {
-        "SHA-256": lzma.compress(good.replace(b"def ", b"DEF ", 1)),
+        "SHA-256": lzma.compress(good.replace(b"def ", b"DEF ", 1), preset=0),
         "not an xz stream": corpus.CORPUS_FILE.read_bytes()[:1000],
     }
     monkeypatch.setattr(corpus, "CORPUS_FILE", bad)
@@ -174,3 +207,21 @@ def test_a_corrupt_pinned_corpus_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.undo()
     corpus.pinned_documents.cache_clear()
     assert corpus.pinned_documents()  # the shipped file reads again
+
+
+def _training(partitioning: str):
+    """A worker's real Training, built from the Join reply a coordinator would send."""
+    cfg = load_config(overrides={"workers": 2, "task.partitioning": partitioning,
+                                 **{f"task.{k}": v for k, v in CFG.items()}, "inner.steps": 2})
+    reply = pb.JoinReply(worker_id=0, session="s", run_config_json=json.dumps(cfg.to_dict()))
+    return Training.from_join(reply, CPU)
+
+
+def test_a_worker_state_saved_under_one_split_is_refused_under_another(tmp_path):
+    iid = _training("iid")
+    iid.trainer.train_partition([p.detach().clone() for p in iid.trainer.params], 1, 0)
+    path = tmp_path / "worker-0.state.pt"
+    local_state.save(path, iid, 1)
+    assert local_state.load(path, _training("iid")) == 1
+    with pytest.raises(local_state.LocalStateError, match="another split of the data"):
+        local_state.load(path, _training("contiguous"))
