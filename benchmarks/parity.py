@@ -397,8 +397,9 @@ def print_evaluation(args: argparse.Namespace, rows: dict[str, Any], bf16: int) 
 
 
 def rounded(value: Any) -> Any:
+    """``value`` with every float to 5 significant digits (None if not finite)."""
     if isinstance(value, float):
-        return round(value, 4) if math.isfinite(value) else None
+        return float(f"{value:.5g}") if math.isfinite(value) else None
     if isinstance(value, list):
         return [rounded(v) for v in value]
     if isinstance(value, dict):
