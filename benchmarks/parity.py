@@ -276,15 +276,15 @@ def key(point: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(point.items()))
 
 
-def tune_stage(args: argparse.Namespace, base: dict[str, Any], points: dict[str, list[dict[str, Any]]],
-               seeds: list[int], done: dict[str, dict[str, list[float]]]) -> None:
-    """Train every method's grid points on the tuning seeds; losses into ``done`` (points
+def tune_points(args: argparse.Namespace, base: dict[str, Any], method: str, points: list[dict[str, Any]],
+                seeds: list[int], done: dict[str, list[float]]) -> None:
+    """Train ``method`` at every grid point on the tuning seeds; losses into ``done`` (points
     already there are not trained again)."""
-    user = {m: pairs(getattr(args, f"{m}_set")) for m in METHODS}
-    jobs = [Job(f"{m} {key(pt)}", m, {**base, **pt, **user[m]}, s)
-            for m in TUNE_ORDER if m in points for pt in points[m] if key(pt) not in done[m] for s in seeds]
+    user = pairs(getattr(args, f"{method}_set"))
+    jobs = [Job(f"{method} {key(pt)}", method, {**base, **pt, **user}, s)
+            for pt in points if key(pt) not in done for s in seeds]
     for job, r in zip(jobs, run_all(jobs, args.jobs, args.cache), strict=True):
-        done[job.method].setdefault(job.label.split(" ", 1)[1], []).append(r["loss"])
+        done.setdefault(job.label.split(" ", 1)[1], []).append(r["loss"])
 
 
 def best(losses: dict[str, list[float]], candidates: list[dict[str, Any]]) -> dict[str, Any]:
@@ -292,33 +292,59 @@ def best(losses: dict[str, list[float]], candidates: list[dict[str, Any]]) -> di
     return min(candidates, key=lambda pt: statistics.mean(losses[key(pt)]))
 
 
+def tune_method(args: argparse.Namespace, base: dict[str, Any], method: str, seeds: list[int],
+                losses: dict[str, list[float]]) -> dict[str, Any]:
+    """Stage 1: the inner lr grid at the method's default outer lr; stage 2: its outer lr
+    grid at the best inner lr. Returns the chosen point."""
+    stage1 = [{"inner.lr": lr} for lr in floats(args.inner_lrs)]
+    if method in OUTER_LRS:
+        default = load_config(overrides={"compression.method": method}).outer.lr
+        stage1 = [{**pt, "outer.lr": default} for pt in stage1]
+    print(f"{method} stage 1: inner lr {args.inner_lrs}", flush=True)
+    tune_points(args, base, method, stage1, seeds, losses)
+    chosen = best(losses, stage1)
+    if method not in OUTER_LRS:
+        return chosen
+    stage2 = [{**chosen, "outer.lr": lr} for lr in floats(getattr(args, f"{method}_outer_lrs"))]
+    print(f"{method} stage 2: outer lr {getattr(args, f'{method}_outer_lrs')} at inner lr {chosen['inner.lr']}",
+          flush=True)
+    tune_points(args, base, method, stage2, seeds, losses)
+    return best(losses, stage1 + stage2)
+
+
 def tune(args: argparse.Namespace) -> dict[str, Any]:
-    """Inner lr at the default outer lr, then the outer lr at the best inner lr."""
+    """Every method in TUNE_ORDER, one after the other; the settings file is written after
+    each, so the evaluation of a tuned method can start while the next is tuned."""
     seeds = [int(s) for s in args.tune_seeds.split(",")]
     rounds = args.tune_rounds or args.rounds
     base = base_overrides(args, rounds)
-    losses: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}
-    inner = {m: [{"inner.lr": lr} for lr in floats(args.inner_lrs)] for m in METHODS}
-    defaults = {m: load_config(overrides={"compression.method": m}).outer.lr for m in OUTER_LRS}
-    stage1 = {m: [{**pt, "outer.lr": defaults[m]} if m in OUTER_LRS else pt for pt in pts] for m, pts in inner.items()}
-    print(f"stage 1: inner lr {args.inner_lrs} at the default outer lr, seeds {seeds}, {rounds} rounds", flush=True)
-    tune_stage(args, base, stage1, seeds, losses)
-    chosen = {m: best(losses[m], stage1[m]) for m in METHODS}
-    stage2 = {m: [{**chosen[m], "outer.lr": lr} for lr in floats(getattr(args, f"{m}_outer_lrs"))]
-              for m in OUTER_LRS}
-    print("stage 2: outer lr at the best inner lr", flush=True)
-    tune_stage(args, base, stage2, seeds, losses)
-    chosen.update({m: best(losses[m], stage1[m] + stage2[m]) for m in OUTER_LRS})
-    return {"tuned": chosen, "losses": {m: {k: [round(x, 4) for x in v] for k, v in ls.items()}
-                                       for m, ls in losses.items()},
-            "mean_losses": {m: {k: round(statistics.mean(v), 4) for k, v in ls.items()} for m, ls in losses.items()},
+    print(f"tuning on seeds {seeds}, {rounds} rounds", flush=True)
+    losses: dict[str, dict[str, list[float]]] = {}
+    chosen: dict[str, dict[str, Any]] = {}
+    for method in TUNE_ORDER:
+        losses[method] = {}
+        chosen[method] = tune_method(args, base, method, seeds, losses[method])
+        report = tuning_report(args, rounds, seeds, base, chosen, losses)
+        write_tuned(args.tuned, {**report, **provenance(run_config(Job("", method, base, seeds[0])).task)})
+    return report
+
+
+def tuning_report(args: argparse.Namespace, rounds: int, seeds: list[int], base: dict[str, Any],
+                  chosen: dict[str, dict[str, Any]], losses: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    return {"tuned": chosen, "losses": losses,
+            "mean_losses": {m: {k: statistics.mean(v) for k, v in ls.items()} for m, ls in losses.items()},
             "search": "two-stage: inner lr at the default outer lr, then outer lr at the best inner lr",
             "rounds": rounds, "seeds": seeds, "workers": args.workers, "inner_steps": args.inner_steps,
             "warmup_steps": base["inner.warmup_steps"], "user_overrides": {m: getattr(args, f"{m}_set") for m in METHODS}}
 
 
+def write_tuned(path: str, report: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(rounded(report), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path} ({', '.join(report['tuned'])})", flush=True)
+
+
 def print_tuning(report: dict[str, Any]) -> None:
-    for m in METHODS:
+    for m in report["tuned"]:
         print(f"{m}:")
         for point, mean in sorted(report["mean_losses"][m].items(), key=lambda kv: kv[1]):
             mark = "  <- chosen" if point == key(report["tuned"][m]) else ""
@@ -449,8 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = run_config(Job("", "sparseloco", base_overrides(args, args.rounds), 0))
     report = rounded({**report, **provenance(cfg.task), "wall_s": time.monotonic() - start, "jobs": args.jobs})
     if args.tune:
-        Path(args.tuned).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {args.tuned}")
+        write_tuned(args.tuned, report)
     print(f"{time.monotonic() - start:.0f} s")
     print(json.dumps(report))
     return 0
