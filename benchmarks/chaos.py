@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.provenance import provenance
+from geoloco.config import load_config
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 from geoloco.replica import param_digest
@@ -330,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     chaos, calm, coord = results["chaos"], results["undisturbed"], results["coordinator-only"]
     print(json.dumps({
+        **provenance(load_config(overrides=CONFIG).task),
         "rounds_done": chaos.rounds_done,
         "rounds_applied_twice": chaos.rounds_applied_twice,
         "max_round_s_over_deadline": round(chaos.max_round_s - chaos.deadline_s, 3),

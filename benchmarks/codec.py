@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from benchmarks.provenance import provenance
 from geoloco.compression import (  # noqa: E402
     Compressor,
     Layout,
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         "rel_error_vs_exact_topk": round(math.sqrt(sum(r["err"] for r in results) / sum(r["ref"] for r in results)), 5),
         "entropy_bound_bits_per_index": round(bound, 4),
     }
-    print(json.dumps(out))
+    print(json.dumps({**out, **provenance()}))
 
 
 if __name__ == "__main__":

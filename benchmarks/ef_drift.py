@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from benchmarks.inprocess import close
+from benchmarks.provenance import provenance
 from geoloco.compression import Layout, decode_frame
 from geoloco.config import CompressionConfig
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, uncoded))
     coded = [r for r in rows if not r["case"].startswith("none")]
     worst = max(r["drift_after"] / uncoded[r["pattern"]] for r in coded)
-    print(json.dumps({"uncoded_drift": uncoded, "worst_coded_over_uncoded": round(worst, 3),
+    print(json.dumps({**provenance(), "uncoded_drift": uncoded, "worst_coded_over_uncoded": round(worst, 3),
                       "rows": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
                                for r in rows]}))
     return 0

@@ -26,6 +26,7 @@ import zlib
 
 import torch
 
+from benchmarks.provenance import provenance
 from geoloco.compression import (
     Compressor,
     FrameError,
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args.count, args.seed)
     print(f"{'frames':>10} {'rejected':>10} {'accepted':>10} {'crashed':>10} {'seconds':>8}")
     print(f"{r['count']:>10} {r['rejected']:>10} {r['accepted']:>10} {r['crashed']:>10} {r['seconds']:>8}")
-    print(json.dumps(r))
+    print(json.dumps({**r, **provenance()}))
     return 1 if r["crashed"] else 0
 
 

@@ -38,6 +38,7 @@ import grpc
 import torch
 
 from benchmarks.fuzz_frames import mutate, stamped
+from benchmarks.provenance import provenance
 from geoloco import transport
 from geoloco.compression import Compressor, FrameError, Layout, decode_frame
 from geoloco.config import load_config
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'refused':>9} {'rounds':>7} {'worker served':>14} {'seconds':>8}")
     print(f"{r['streams']:>9} {r['crashed']:>8} {r['invalid_accepted']:>17} {r['valid_accepted']:>15} "
           f"{r['refused']:>9} {r['rounds_closed']:>7} {r['worker_served']!s:>14} {r['seconds']:>8}")
-    print(json.dumps(r))
+    print(json.dumps({**r, **provenance(load_config(overrides=RUN).task)}))
     return 1 if r["crashed"] or r["invalid_accepted"] or not r["worker_served"] else 0
 
 

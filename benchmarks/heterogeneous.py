@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.inprocess import simulate_overlap
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
 
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"links {args.links} (uniform {UNIFORM}), H={args.inner_steps}, {args.rounds} rounds per run; "
           f"loss: {args.seeds} seeds x {args.loss_rounds} rounds in-process; load average "
           f"{min(load):.1f}-{max(load):.1f}")
-    print(json.dumps(result))
+    cfg = config(args, "fixed", f"{args.run_dir}/sim", args.loss_rounds, densities=False)
+    print(json.dumps({**result, **provenance(cfg.task)}))
     return 0
 
 

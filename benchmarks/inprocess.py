@@ -9,6 +9,10 @@ Which workers straggle is a rule, not a clock: ``stragglers(round)`` names the w
 whose frames arrive last that round; the others arrive in worker-id order and the round
 closes at the first decodable prefix (every straggler still trains and encodes, as a
 slow worker would, and then settles its frame by the round header).
+
+The validation loss is scored after the last ``val_tail`` rounds (every round with
+``val_every_round``); ``Result.tail_val_loss``, their mean, is what the loss benchmarks
+report: one round's loss moves by more than the differences they look for.
 """
 
 from __future__ import annotations
@@ -32,20 +36,29 @@ from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.trainer import InnerTrainer
 
 Stragglers = Callable[[int], list[int]]
+VAL_TAIL = 5  # rounds at the end whose validation losses are averaged
 
 
 @dataclass
 class Result:
-    """What one run measured: validation loss after every round, bytes and the digest."""
+    """What one run measured: validation losses (after the rounds ``val_rounds``), bytes
+    and the digest."""
 
     val_losses: list[float] = field(default_factory=list)
+    val_rounds: list[int] = field(default_factory=list)
     upload_bytes: list[int] = field(default_factory=list)  # per round, mean over the workers
     modes: list[str] = field(default_factory=list)  # apply_frames mode of each round's update
     digest: str = ""
 
     @property
     def final_val_loss(self) -> float:
+        """The loss after the last round (what ``geoloco local`` reports)."""
         return self.val_losses[-1]
+
+    def tail_val_loss(self, tail: int = VAL_TAIL) -> float:
+        """The mean validation loss of the last ``tail`` rounds (fewer if the run has fewer)."""
+        last = self.val_losses[-tail:]
+        return sum(last) / len(last)
 
 
 def no_stragglers(round_: int) -> list[int]:
@@ -76,9 +89,9 @@ def close(policy: CodePolicy, order: list[int]) -> Decision:
 
 
 def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: GradientCode | None = None,
-             val_every_round: bool = False) -> Result:
-    """Train ``cfg`` for cfg.rounds rounds; ``code`` overrides the one cfg.coding names.
-    One torch thread, as each process of ``geoloco local`` has (more threads change the
+             val_every_round: bool = False, val_tail: int = VAL_TAIL) -> Result:
+    """Train ``cfg`` for cfg.rounds rounds; ``code`` overrides the one cfg.coding names;
+    the validation loss is scored after each of the last ``val_tail`` rounds. One torch thread, as each process of ``geoloco local`` has (more threads change the
     rounding of the inner loop)."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
@@ -106,8 +119,9 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
             w.encoder.settle(policy.settlement(decision, i), frames[i], applied)
         result.upload_bytes.append(sum(len(f) for f in frames) // cfg.workers)
         result.modes.append(update.mode)
-        if val_every_round or t == cfg.rounds - 1:
+        if val_every_round or t >= cfg.rounds - val_tail:
             result.val_losses.append(task.val_loss(model))
+            result.val_rounds.append(t)
     result.digest = param_digest(params)
     return result
 

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import geoloco
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, validate
 
 TOKEN = "metrics-cost"
@@ -124,7 +125,8 @@ def main() -> None:
                       "round_s_off": round(off_s, 4), "round_s_on": round(on_s, 4),
                       "ratio_on_off": round(on_s / off_s, 4), "scrape_ms": round(scrape_ms, 3),
                       "record_round_ms": round(record_ms, 4),
-                      "scrapes": sum(r["scrapes"] for r in on)}))
+                      "scrapes": sum(r["scrapes"] for r in on),
+                      **provenance(config(Path(tempfile.gettempdir()), rounds, False).task)}))
 
 
 if __name__ == "__main__":

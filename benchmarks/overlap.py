@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.inprocess import simulate_overlap
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
 from geoloco.profiles import LinkProfile
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.workers} workers, {args.rounds} rounds ({args.warmup_rounds} warm-up) per run; loss: "
           f"{args.seeds} seeds x {args.loss_rounds} rounds in-process; load average "
           f"{min(load):.1f}-{max(load):.1f}")
-    print(json.dumps(result))
+    cfg = config(args, "none", next(iter(args.regimes.values())), f"{args.run_dir}/sim", args.loss_rounds)
+    print(json.dumps({**result, **provenance(cfg.task)}))
     return 0
 
 

@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from benchmarks.inprocess import no_stragglers, random_stragglers, simulate
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.coordinator.gradient_coding import GradientCode, age_weight_range, make_code
 
@@ -85,7 +86,7 @@ def config(args: argparse.Namespace, v: Variant, seed: int) -> RunConfig:
 def train(job: tuple[Variant, RunConfig]) -> float:
     v, cfg = job
     late = no_stragglers if v.scheme == "none" else random_stragglers(cfg.workers, v.s, cfg.seed)
-    return simulate(cfg, late, code=v.code(cfg.workers)).final_val_loss
+    return simulate(cfg, late, code=v.code(cfg.workers)).tail_val_loss()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"weights": [{k: (round(x, 4) if isinstance(x, float) else x) for k, x in r.items()}
                                   for r in weights],
                       "loss": {v.name: [round(x, 4) for x in loss[v]] for v in todo},
-                      "loss_mean": {v.name: round(statistics.mean(loss[v]), 4) for v in todo}}))
+                      "loss_mean": {v.name: round(statistics.mean(loss[v]), 4) for v in todo},
+                      **provenance(config(args, todo[0], 0).task)}))
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 
 from benchmarks.codec import pseudo_gradients, quant_error
 from benchmarks.inprocess import simulate
+from benchmarks.provenance import provenance
 from geoloco.compression import Layout, TensorSpec
 from geoloco.config import RunConfig, load_config
 from geoloco.worker.encoder import QUANTIZER_TABLES
@@ -55,7 +56,7 @@ def config(args: argparse.Namespace, quantizer: str, seed: int) -> RunConfig:
 
 def train(cfg: RunConfig) -> tuple[float, float]:
     result = simulate(cfg)
-    return result.final_val_loss, statistics.mean(result.upload_bytes)
+    return result.tail_val_loss(), statistics.mean(result.upload_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                       "loss": {q: [round(x, 4) for x in v] for q, v in loss.items()},
                       "loss_mean": {q: round(statistics.mean(v), 4) for q, v in loss.items()},
                       "upload_bytes_per_round": {q: round(v) for q, v in up.items()},
-                      "four_bin_minus_two_level": [round(d, 4) for d in diffs]}))
+                      "four_bin_minus_two_level": [round(d, 4) for d in diffs],
+                      **provenance(config(args, "two-level", 0).task)}))
     return 0
 
 

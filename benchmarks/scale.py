@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from benchmarks.fuzz_frames import stamped
+from benchmarks.provenance import provenance
 from geoloco import transport
 from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame
 from geoloco.compression.memory import huge_page_buffer
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     last = rows[-1]
     print(json.dumps({"params": layout.numel, "frame_bytes": len(base), "decode_apply_s": one,
                       "rows": rows, "close_ratio": last["close_s"] / last["close_target_s"],
-                      "rss_ratio": last["peak_rss_mb"] / last["rss_target_mb"]}))
+                      "rss_ratio": last["peak_rss_mb"] / last["rss_target_mb"], **provenance()}))
     return 0
 
 

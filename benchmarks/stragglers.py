@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from geoloco.config import SCHEMES
+from benchmarks.provenance import provenance
+from geoloco.config import SCHEMES, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 PLOT = ROOT / "docs" / "img" / "stragglers.png"
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="geoloco-stragglers-") as tmp:
         work = args.work_dir or Path(tmp)
         result = run(settings, work, parse_schemes(args.schemes), None if args.quick else args.plot)
-    print(json.dumps(result, sort_keys=True), flush=True)
+    print(json.dumps({**result, **provenance(load_config(overrides=TASK).task)}, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":

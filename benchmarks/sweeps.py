@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.inprocess import simulate
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 
 IMG = Path(__file__).resolve().parent.parent / "docs" / "img"
@@ -81,7 +82,7 @@ def points(sweeps: dict) -> list[Point]:
 
 def run_point(job: tuple[Point, Regime]) -> float:
     point, regime = job
-    return simulate(config(point, regime)).final_val_loss
+    return simulate(config(point, regime)).tail_val_loss()
 
 
 def sweep_rows(sweeps: dict, loss: dict[Point, float]) -> dict[str, list[dict]]:
@@ -147,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(name, r))
         if not args.quick:
             plot(name, r, args.img_dir / f"sweep-{name}.png")
-    print(json.dumps({name: [{k: round(v, 4) for k, v in row.items()} for row in r] for name, r in rows.items()}))
+    print(json.dumps({**{name: [{k: round(v, 4) for k, v in row.items()} for row in r] for name, r in rows.items()},
+                      **provenance(config(todo[0], regime).task)}))
     return 0
 
 

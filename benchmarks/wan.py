@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
 from geoloco.profiles import LinkProfile
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({result['coordinator_uplink_s']}s of the limit): dense bf16 send / inner compute = "
           f"{result['dense_send_over_compute']}x; SparseLoCo round / limit = {result['sparse_over_limit']}; "
           f"load average {min(load):.1f}-{max(load):.1f}")
-    print(json.dumps(result))
+    print(json.dumps({**result, **provenance(config(args, "sparseloco").task)}))
     return 0
 
 

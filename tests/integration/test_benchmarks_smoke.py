@@ -1,7 +1,7 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift, overlap, heterogeneous), the security ones (fuzz_rpc, scale) and the codec's run end to
-end in their ``--quick`` form
-and end with one JSON line holding the figures they promise. Plumbing only: the numbers of
+ef_drift, straggler_loss, overlap, heterogeneous), the security ones (fuzz_rpc, scale) and the
+codec's run end to end in their ``--quick`` form and end with one JSON line holding the figures
+they promise and where they come from (the corpus fingerprint and the software versions). Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
 (three real local runs), overlap and heterogeneous about a minute each under light load
 (three real local runs each), the in-process ones 10-25 s each."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,17 @@ ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "wan": {"sparse_round_s", "dense_round_s", "dense_fp32_round_s", "sparse_compute_s", "sparse_limit_s",
             "coordinator_uplink_s", "speedup", "upload_ratio"},
-    "parity": {"sparseloco_loss", "diloco_loss", "adamw_loss", "ratio", "ratio_sd", "sparseloco_sd"},
+    "parity": {"arms", "ratio_mean", "ratio_upper95", "rounds", "seeds", "diloco", "adamw", "dense_bf16_bytes"},
     "metrics_cost": {"round_s_off", "round_s_on", "ratio_on_off", "scrape_ms", "record_round_ms"},
     "sweeps": {"H"},
     "quantizer": {"loss_mean", "codec"},
     "pgc_cr": {"weights", "loss_mean"},
     "ef_drift": {"uncoded_drift", "worst_coded_over_uncoded", "rows"},
+    "straggler_loss": {"rows", "worst_loss_gap", "seeds"},
     "overlap": {"comm50", "loss_vs_none", "loss_seeds"},
     "heterogeneous": {"uniform", "fixed", "auto+overlap", "links"},
 }
+PROVENANCE = {"corpus", "versions"}  # every benchmark's last JSON line (benchmarks/provenance.py)
 RUN_DIR = {"wan", "overlap", "heterogeneous"}  # the benchmarks that take --run-dir
 
 
@@ -46,8 +49,32 @@ def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     result = json.loads(last)
-    assert KEYS[name] <= set(result), f"missing {KEYS[name] - set(result)} in {last}"
+    assert KEYS[name] | PROVENANCE <= set(result), f"missing {KEYS[name] | PROVENANCE - set(result)} in {last}"
     assert all(result[k] is not None for k in KEYS[name]), last
+    assert result["versions"]["python"] == platform.python_version(), last
+
+
+def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
+    """``--tune --quick`` writes a settings file; the evaluation reads it back and trains
+    DiLoCo and AdamW with the settings it names; every run lands in the cache once."""
+    tuned, cache = tmp_path / "tuned.json", tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    for extra in (["--tune"], []):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.parity", "--quick", "--tuned", str(tuned),
+                               "--cache", str(cache), *extra],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    chosen = json.loads(tuned.read_text())["tuned"]
+    assert set(chosen) == {"sparseloco", "diloco", "adamw"} and "outer.lr" in chosen["diloco"], chosen
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tuned_file"] == str(tuned)
+    assert result["diloco"]["settings"]["outer.lr"] == chosen["diloco"]["outer.lr"], result
+    assert result["adamw"]["settings"]["inner.lr"] == chosen["adamw"]["inner.lr"], result
+    assert len(result["arms"]["sparseloco"]["ratios"]) == len(result["seeds"]), result
+    stored = [json.loads(f.read_text()) for f in cache.glob("*.json")]
+    evaluated = {(r["label"], r["seed"]) for r in stored if r["seed"] in result["seeds"]}
+    assert evaluated == {(m, s) for m in ("sparseloco", "diloco", "adamw") for s in result["seeds"]}, stored
 
 
 SECURITY_KEYS = {
@@ -64,7 +91,7 @@ def test_security_benchmarks_quick_run_ends_with_json_line(name: str) -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert SECURITY_KEYS[name] <= set(result), result
+    assert SECURITY_KEYS[name] | PROVENANCE <= set(result), result
     if name == "fuzz_rpc":
         assert result["crashed"] == 0 and result["invalid_accepted"] == 0 and result["worker_served"]
 
@@ -78,5 +105,5 @@ def test_codec_benchmark_quick_prints_json_with_the_issue_keys() -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks.codec", "--quick"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, check=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
-    assert set(result) == CODEC_KEYS
-    assert all(isinstance(v, (int, float)) for v in result.values())
+    assert set(result) == CODEC_KEYS | PROVENANCE | {"data_fingerprint"}
+    assert all(isinstance(result[k], (int, float)) for k in CODEC_KEYS)
