@@ -32,7 +32,6 @@ from geoloco.links import tc
 from geoloco.profiles import LinkProfile, LinkProfileError
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc as pb_grpc
-from geoloco.run_dir import write_atomic
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused
 

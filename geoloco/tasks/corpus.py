@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from geoloco.run_dir import write_atomic
 from geoloco.tasks.protocol import TaskError
 
 CORPUS_FILE = Path(__file__).with_name("stdlib311.jsonl.xz")  # {"path", "text"} per line
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
     data = build_corpus(Path(argv[0]))
-    CORPUS_FILE.write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME))
+    write_atomic(CORPUS_FILE, lzma.compress(data, preset=9 | lzma.PRESET_EXTREME), mode=0o644)
     files = data.count(b"\n")
     print(f"{CORPUS_FILE.name}: {files} files, {len(data)} bytes of JSON Lines, "
           f"{CORPUS_FILE.stat().st_size} compressed, sha256 {hashlib.sha256(data).hexdigest()}")

@@ -10,7 +10,7 @@ from pathlib import Path
 WORKER = Path(__file__).resolve().parents[2] / "worker"
 ALLOWED = ("geoloco.compression", "geoloco.protos", "geoloco.config", "geoloco.tasks",
            "geoloco.profiles", "geoloco.transport", "geoloco.tls", "geoloco.replica", "geoloco.links",
-           "geoloco.schedule", "geoloco.metrics_server", "geoloco.stopping", "geoloco.worker")
+           "geoloco.schedule", "geoloco.metrics_server", "geoloco.stopping", "geoloco.run_dir", "geoloco.worker")
 ROOT_NAMES = {"__version__"}  # what the worker may take from the geoloco package itself
 
 

@@ -80,6 +80,8 @@ def _is_file_call(node: ast.Call) -> bool:
     if node.func.attr != "replace":
         return True
     owner = node.func.value
+    if isinstance(owner, ast.Name) and owner.id == "dataclasses":  # dataclasses.replace(record)
+        return False
     return (isinstance(owner, ast.Name) and owner.id == "os") or len(node.args) == 1
 
 
