@@ -147,6 +147,17 @@ class Fuzzer:
             [sys.executable, "-m", "geoloco.cli", "coordinator", "--listen", "127.0.0.1:0", "--run-dir",
              str(run_dir), "--workers", str(IDENTITIES), *flags], stdout=self.log, stderr=subprocess.STDOUT,
             env=dict(os.environ, GEOLOCO_TOKEN=TOKEN, OMP_NUM_THREADS="1"))
+        try:
+            self._connect(run_dir)
+        except BaseException:  # the coordinator must not outlive a failed start
+            self.proc.kill()
+            self.proc.wait()
+            self.log.close()
+            raise
+
+    def _connect(self, run_dir: Path) -> None:
+        """Wait for the coordinator's port, join every identity, fetch the state and start
+        following the rounds."""
         port_file = run_dir / "coordinator.port"
         while not (port_file.exists() and port_file.read_text().strip().isdigit()):
             if self.proc.poll() is not None:
@@ -155,7 +166,8 @@ class Fuzzer:
         self.address = f"127.0.0.1:{int(port_file.read_text())}"
         self.channel = transport.open_channel(self.address)
         self.stub = geoloco_pb2_grpc.CoordinatorStub(self.channel)
-        self.sessions = [self.stub.Join(pb.JoinRequest(token=TOKEN), timeout=60) for _ in range(IDENTITIES)]
+        request = pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION)
+        self.sessions = [self.stub.Join(request, timeout=60) for _ in range(IDENTITIES)]
         self.round = 0
         self.closed = threading.Condition()
         self.followed, self.mismatches = 0, 0

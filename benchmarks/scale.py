@@ -140,7 +140,8 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:
             time.sleep(0.1)
         channel = transport.open_channel(f"127.0.0.1:{int(port_file.read_text())}")
         stub = geoloco_pb2_grpc.CoordinatorStub(channel)
-        joins = [stub.Join(pb.JoinRequest(token=TOKEN), timeout=60) for _ in range(n)]
+        request = pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION)
+        joins = [stub.Join(request, timeout=60) for _ in range(n)]
         latencies: list[float] = []
         lock = threading.Lock()
 

@@ -81,9 +81,9 @@ class Coordinator:
         registry = WorkerRegistry(cfg.workers, token)
         for stale in checkpoint.remove_stale(self.run_dir):
             log.info("removed %s, left by a write that was cut off", stale)
-        start_round, totals = 0, RunTotals()
+        start_round, totals, guard_norms = 0, RunTotals(), {}
         if resume:
-            start_round, totals = _restore(self.run_dir, self.layout, params, outer, registry)
+            start_round, totals, guard_norms = _restore(self.run_dir, self.layout, params, outer, registry)
         totals.extra.update(coding_summary(self.code))
         note = aggregation_note(cfg)
         if note is not None:
@@ -94,6 +94,7 @@ class Coordinator:
                                       self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
         self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
                               self.run_dir, task.model_files(model))
+        self.loop.bounds.recent.update(guard_norms)
         self.loop.crash_at = crash_at  # the exactly-once tests' seam
         self.prometheus = (CoordinatorMetrics(self.state, cfg, self.code.worst_case_coefficient)
                            if cfg.monitoring.metrics_port is not None else None)
@@ -218,10 +219,11 @@ def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
 
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,
-             registry: WorkerRegistry) -> tuple[int, RunTotals]:
+             registry: WorkerRegistry) -> tuple[int, RunTotals, dict[int, tuple[int, float]]]:
     """Load the newest readable checkpoint into ``params``, ``outer`` and ``registry`` (the
     registry file, newer, wins); drop the metrics of the rounds it redoes. Returns the round
-    to open and the run totals; round 0 and fresh totals in a run dir that has no run yet.
+    to open, the run totals and the frame bounds' memory (FrameBounds.recent); round 0,
+    fresh totals and no memory in a run dir that has no run yet.
     ResumeError when the run dir holds a run but no checkpoint of it can be read."""
     ckpt = checkpoint.load_latest(run_dir)
     if ckpt is None:
@@ -232,7 +234,7 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
                               f"but the run dir holds a run ({', '.join(left)}); nothing was "
                               "started. Restore a checkpoint, or start over with --overwrite")
         log.info("--resume: %s holds no run yet; starting at round 0", run_dir)
-        return 0, RunTotals()
+        return 0, RunTotals(), {}
     if ckpt.layout_digest != layout.digest:
         raise ValueError(
             f"checkpoint in {run_dir} was written for another model layout; "
@@ -248,7 +250,7 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
     dropped = MetricsWriter(run_dir).drop_rounds_from(ckpt.round)
     log.info("resumed from checkpoint at round %d (digest %s)%s", ckpt.round, param_digest(params),
              f"; {dropped} metrics lines of the rounds redone dropped" if dropped else "")
-    return ckpt.round, RunTotals(**ckpt.totals)
+    return ckpt.round, RunTotals(**ckpt.totals), ckpt.guard_norms
 
 
 def check_data(cfg: RunConfig, fingerprint: str) -> None:

@@ -51,6 +51,8 @@ class Checkpoint:
     # the weights file holds the whole model
     fixed: dict[str, Tensor] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # config.json, tokenizer.json: name -> text
+    # the frame bounds' memory: worker -> (round, norm) of its latest counted frame
+    guard_norms: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The sidecar: everything but the tensors of the weights file."""
@@ -62,6 +64,7 @@ class Checkpoint:
             "workers": self.workers,
             "layout_digest": self.layout_digest.hex(),
             "totals": self.totals,
+            "guard_norms": {str(w): [r, n] for w, (r, n) in sorted(self.guard_norms.items())},
         }
 
     @classmethod
@@ -84,6 +87,7 @@ class Checkpoint:
             layout_digest=bytes.fromhex(data["layout_digest"]),
             totals=data.get("totals", {}),
             fixed=fixed,
+            guard_norms={int(w): (int(r), float(n)) for w, (r, n) in data.get("guard_norms", {}).items()},
         )
 
 

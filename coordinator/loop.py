@@ -110,9 +110,10 @@ class RoundLoop:
         returns how many."""
         entries = roundlog.read(self.run_dir, self.state.open_round())
         for entry in entries:
-            closed = entry.closed()
+            closed, update = entry.closed(), entry.update(self.state.layout)
             with self.state.publishing(closed):
-                self.state.apply(entry.update(self.state.layout), closed)
+                self.state.apply(update, closed)
+            self.bounds.remember(entry.round, update)
             m = RoundMetrics(**_worker_keys(entry.metrics))
             m.val_loss = self.task.val_loss(self.model) if self.val_due(entry.round + 1) else None
             self.write_metrics(m)
@@ -135,6 +136,7 @@ class RoundLoop:
             update = Update([], "sum", 1.0)
             # nothing was applied: every worker keeps its message in its error feedback
             settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
+        self.bounds.remember(rs.round, update)
         closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
         self.log_decision(rs, closed)
         self.crash_point("decision", rs.round)
@@ -248,7 +250,7 @@ class RoundLoop:
         params = dict(zip(names, self.state.params_copy(), strict=True))
         ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,
                                      self.state.layout.digest, totals, fixed=self.fixed,
-                                     files=self.model_files)
+                                     files=self.model_files, guard_norms=dict(self.bounds.recent))
         path = checkpoint.save(self.run_dir, ckpt)
         roundlog.prune(self.run_dir, next_round)
         log.info("checkpoint %s (round %d)", path, next_round)

@@ -252,12 +252,19 @@ class TlsConfig:
 @dataclass
 class GuardConfig:
     """Bounds on every frame before it counts (docs/security.md): a frame whose L2 norm
-    exceeds ``clip_ratio`` x the round's median frame norm is scaled down to it, one above
-    ``reject_ratio`` x the median is dropped. The median is the lower median of the
-    round's arrived frames, so it stays an honest frame's while fewer than half lie."""
+    exceeds ``clip_ratio`` x the reference norm is scaled down to it, one above
+    ``reject_ratio`` x the reference is dropped. The reference is the lower median of the
+    round's arrived frames' norms and, for each worker without a frame this round, its
+    latest counted frame's norm of the last ``reference_rounds`` rounds, so it stays an
+    honest frame's while fewer than half lie, and a round that closed on few frames still
+    has the others'. With fewer than ``min_reference_workers`` norms in that pool frames
+    are only clipped, never dropped by the ratio (at n = 2 one worker cannot be told from
+    the other)."""
 
     clip_ratio: float = 2.0
     reject_ratio: float = 100.0
+    reference_rounds: int = 8
+    min_reference_workers: int = 3
 
 
 @dataclass
@@ -349,6 +356,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_tls(cfg.tls)
     _check_range("guard.clip_ratio", cfg.guard.clip_ratio, 1.0, 1e6)
     _check_range("guard.reject_ratio", cfg.guard.reject_ratio, cfg.guard.clip_ratio, 1e12)
+    _check_range("guard.reference_rounds", cfg.guard.reference_rounds, 0, 10**6)
+    _check_range("guard.min_reference_workers", cfg.guard.min_reference_workers, 1, 10**6)
     return cfg
 
 

@@ -99,7 +99,7 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0,
                      security: ChannelSecurity | None = None) -> Identity:
     """Join ``address`` once (transport.join_with_backoff while it is not up) and return
     the assigned identity; a refusal (bad token, full run) raises JoinRefused."""
-    request = pb.JoinRequest(token=token, capabilities=pb.Capabilities(
+    request = pb.JoinRequest(token=token, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(
         device="pending", hostname=socket.gethostname(), version=_version(), threads=1))
 
     def call(channel: grpc.Channel) -> pb.JoinReply:
@@ -107,6 +107,9 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0,
 
     reply, channel = transport.join_with_backoff(address, call, timeout_s, security=security)
     channel.close()
+    mismatch = transport.protocol_mismatch("worker", "coordinator", reply.protocol_version)
+    if mismatch is not None:
+        raise JoinRefused(mismatch)
     return Identity(worker_id=reply.worker_id, session=reply.session,
                     wan_profile=reply.wan_profile, straggler_profile=reply.straggler_profile)
 

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 FLIP_BY = 1e-3  # added to θ's first element: a bad memory bit or a non-deterministic kernel
 SCALE_BY = 1e6  # SCALE_FRAME multiplies every quantizer level by this
+SHRINK_BY = 1e-6  # SHRINK_FRAME multiplies every quantizer level by this: a tiny frame
 MAX_LEVEL = 3.4e38  # MAX_LEVELS sets every quantizer level to this (about bfloat16's largest)
 _SECTION = struct.Struct("<BQQ")  # a frame section's codec, raw and stored length (docs/codec.md)
 
@@ -38,6 +39,7 @@ class Fault(Enum):
     FLIP_PARAMETER = "flip a parameter"  # of θ, just before the round's result is applied
     SCALE_FRAME = "scale the pushed frame by 1e6"  # its levels, with the checksum repaired
     MAX_LEVELS = "set the pushed frame's levels to 3.4e38"  # ditto: a poisoned update
+    SHRINK_FRAME = "scale the pushed frame by 1e-6"  # ditto: to shrink the reference norm
 
 
 def with_levels(frame: bytes, levels: Callable[[np.ndarray], np.ndarray]) -> bytes:
@@ -59,6 +61,7 @@ def with_levels(frame: bytes, levels: Callable[[np.ndarray], np.ndarray]) -> byt
 POISONS = {
     Fault.SCALE_FRAME: lambda table: table * SCALE_BY,
     Fault.MAX_LEVELS: lambda table: np.full_like(table, MAX_LEVEL),
+    Fault.SHRINK_FRAME: lambda table: table * SHRINK_BY,
 }
 
 

@@ -64,7 +64,7 @@ class RawWorker:
         self.rounds_call = None
 
     def join(self, token: str = TOKEN, **kwargs) -> pb.JoinReply:
-        reply = self.stub.Join(pb.JoinRequest(token=token, **kwargs), timeout=RPC_TIMEOUT_S)
+        reply = self.stub.Join(pb.JoinRequest(token=token, **{"protocol_version": wire.PROTOCOL_VERSION, **kwargs}), timeout=RPC_TIMEOUT_S)
         self.id, self.session = reply.worker_id, reply.session
         self.layout_digest = reply.layout_digest
         return reply

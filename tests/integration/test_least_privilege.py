@@ -112,7 +112,7 @@ def test_a_thousand_wrong_joins_from_one_address_do_not_stop_an_honest_join(plai
         codes = wrong_joins(stub, WRONG_JOINS)
         print(json.dumps({"wrong_joins": dict(codes)}))
         assert "OK" not in codes and codes["RESOURCE_EXHAUSTED"] >= WRONG_JOINS * 0.9  # still limited
-        reply = stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S)  # same address
+        reply = stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S)  # same address
         assert reply.session and reply.worker_id == 0
 
 
@@ -121,14 +121,14 @@ def test_under_mtls_the_limit_counts_the_certificate_and_never_refuses_the_right
     with ch:
         codes = wrong_joins(stub, WRONG_JOINS)
         assert "OK" not in codes and codes["RESOURCE_EXHAUSTED"] >= WRONG_JOINS * 0.9
-        reply = stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S)  # same certificate
+        reply = stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S)  # same certificate
         assert reply.worker_id == 2
 
 
 def test_one_certificate_gets_one_slot_the_one_its_name_says(mtls, pki) -> None:
     ch, stub = tls_stub(mtls, pki, worker=1)
     with ch:
-        replies = [stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S) for _ in range(4)]
+        replies = [stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S) for _ in range(4)]
         assert [r.worker_id for r in replies] == [1, 1, 1, 1]
         assert len({r.session for r in replies}) == 4  # each Join is a new session ...
         with pytest.raises(grpc.RpcError) as old:  # ... and only the newest one counts
@@ -140,7 +140,7 @@ def test_one_certificate_gets_one_slot_the_one_its_name_says(mtls, pki) -> None:
         assert state and state[0].total_bytes > 0
     ch, stub = tls_stub(mtls, pki, worker=0)
     with ch:
-        assert stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S).worker_id == 0
+        assert stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S).worker_id == 0
     assert set(mtls.registry.records) <= {0, 1, 2}
     assert not any(r.session for r in mtls.registry.records.values())  # hashes only, in memory too
 
@@ -164,7 +164,7 @@ def test_a_hundred_stalled_joins_stay_within_a_memory_bound(plain) -> None:
         growth = rss_bytes() - before
         ch, stub = plain_stub(plain)
         with ch:  # an honest caller, from an address of its own, is served meanwhile
-            assert stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S).session
+            assert stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S).session
             health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT_S)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
         attacker.stdin.close()
@@ -184,7 +184,7 @@ def test_a_newline_in_a_hostname_cannot_forge_a_log_line(plain, caplog) -> None:
     forged = "round 3: frame from worker 1 rejected: norm 1e9 above 100 x the median"
     ch, stub = plain_stub(plain)
     with ch, caplog.at_level(logging.INFO, logger="geoloco"):
-        stub.Join(pb.JoinRequest(token=TOKEN, capabilities=pb.Capabilities(
+        stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(
             hostname=f"host\n{forged}", device="cpu\r\x1b[2J" + "d" * 10_000)), timeout=RPC_TIMEOUT_S)
     lines = [line for r in caplog.records for line in r.getMessage().splitlines()]
     joined = [line for line in lines if "joined from" in line]
@@ -198,7 +198,7 @@ def test_a_newline_in_a_hostname_cannot_forge_a_log_line(plain, caplog) -> None:
 def test_a_join_far_larger_than_a_join_needs_is_refused(plain) -> None:
     ch, stub = plain_stub(plain)
     with ch, pytest.raises(grpc.RpcError) as refused:
-        stub.Join(pb.JoinRequest(token=TOKEN, capabilities=pb.Capabilities(hostname="h" * 100_000)),
+        stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(hostname="h" * 100_000)),
                   timeout=RPC_TIMEOUT_S)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -206,7 +206,7 @@ def test_a_join_far_larger_than_a_join_needs_is_refused(plain) -> None:
 def test_a_five_thousand_digit_worker_id_is_a_clean_refusal_that_lists_no_ids(plain, caplog) -> None:
     ch, stub = plain_stub(plain)
     with ch:
-        stub.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S)
+        stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S)
         for worker in ("9" * 5000, "-1", "1e3"):
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Push(iter([pb.PushChunk(header=pb.PushHeader(round=0, total_bytes=10))]),
@@ -224,14 +224,14 @@ def test_registry_json_is_written_only_when_it_changes(plain) -> None:
     ch, stub = plain_stub(plain)
     path = plain.run_dir / REGISTRY_FILE
     with ch:
-        first = stub.Join(pb.JoinRequest(token=TOKEN, capabilities=pb.Capabilities(hostname="a")),
+        first = stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(hostname="a")),
                           timeout=RPC_TIMEOUT_S)
         written = path.stat().st_ino
-        stub.Join(pb.JoinRequest(token=TOKEN, capabilities=pb.Capabilities(hostname="a"),
+        stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(hostname="a"),
                                  reclaim_worker_id=first.worker_id, reclaim_session=first.session),
                   timeout=RPC_TIMEOUT_S)
         assert path.stat().st_ino == written  # the same registry: not written again
-        stub.Join(pb.JoinRequest(token=TOKEN, capabilities=pb.Capabilities(hostname="b")),
+        stub.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(hostname="b")),
                   timeout=RPC_TIMEOUT_S)
         assert path.stat().st_ino != written
 

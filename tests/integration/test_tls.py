@@ -135,9 +135,9 @@ def test_a_session_replayed_over_another_certificate_is_refused(coordinator, pki
     run, _ = pki
     ca = run / certs.CA_CERT
     with channel(coordinator.port, ca, run, worker=0) as mine, channel(coordinator.port, ca, run, worker=1) as theirs:
-        victim = geoloco_pb2_grpc.CoordinatorStub(mine).Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S)
+        victim = geoloco_pb2_grpc.CoordinatorStub(mine).Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S)
         attacker = geoloco_pb2_grpc.CoordinatorStub(theirs)
-        attacker.Join(pb.JoinRequest(token=TOKEN), timeout=RPC_TIMEOUT_S)  # it holds the token too
+        attacker.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION), timeout=RPC_TIMEOUT_S)  # it holds the token too
         sniffed = {"worker_id": victim.worker_id, "session": victim.session}
         metadata = transport.caller_metadata(victim.worker_id, victim.session)
         calls = {
@@ -145,7 +145,7 @@ def test_a_session_replayed_over_another_certificate_is_refused(coordinator, pki
             "Rounds": lambda: next(iter(attacker.Rounds(pb.RoundsRequest(**sniffed), timeout=RPC_TIMEOUT_S))),
             "Push": lambda: attacker.Push(iter([pb.PushChunk(header=pb.PushHeader(round=0, total_bytes=10, **sniffed))]),
                                           metadata=metadata, timeout=RPC_TIMEOUT_S),
-            "reclaim": lambda: attacker.Join(pb.JoinRequest(token=TOKEN, reclaim_worker_id=victim.worker_id,
+            "reclaim": lambda: attacker.Join(pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION, reclaim_worker_id=victim.worker_id,
                                                             reclaim_session=victim.session), timeout=RPC_TIMEOUT_S),
         }
         for name, call in calls.items():

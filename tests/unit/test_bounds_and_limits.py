@@ -1,4 +1,4 @@
-"""The coordinator's defences without a server: frame norms against the round's median
+"""The coordinator's defences without a server: frame norms against a reference median
 (geoloco.coordinator.bounds), the finite proof before a commit, and the per-caller limits
 (geoloco.coordinator.limits)."""
 
@@ -59,6 +59,38 @@ def test_judge_clips_above_c_and_rejects_far_above_or_non_finite() -> None:
     assert verdict.scale == {2: pytest.approx(2.2 / 3.0)}
     assert set(verdict.rejected) == {3, 4} and "above 100 x" in verdict.rejected[3]
     assert judge({0: 0.0, 1: 0.0, 2: 0.5}, GUARD).rejected == {}  # no reference, no verdict
+
+
+def test_a_pool_too_small_to_tell_honest_from_hostile_only_clips() -> None:
+    """n = 2, one worker sends tiny frames: the honest frame is clipped, never dropped
+    (remove the min_reference_workers check and it is rejected)."""
+    verdict = judge({0: 1e-6, 1: 1.0}, GUARD)
+    assert verdict.pool == 2 and verdict.rejected == {}
+    assert verdict.scale == {1: pytest.approx(2e-6)}
+    assert set(judge({0: 1e-6, 1: math.nan}, GUARD).rejected) == {1}  # non-finite: always dropped
+    three = GuardConfig(clip_ratio=2.0, reject_ratio=100.0, min_reference_workers=2)
+    assert set(judge({0: 1e-6, 1: 1.0}, three).rejected) == {1}  # the old rule, asked for
+
+
+def test_the_recent_rounds_norms_keep_a_round_that_closed_on_few_frames_honest() -> None:
+    """A round closes on the tiny frame and one honest frame: the other workers' latest
+    counted norms keep the reference honest, so nothing honest is clipped or dropped."""
+    history = {2: 1.1, 3: 0.9}
+    verdict = judge({0: 1e-6, 1: 1.0}, GUARD, history)
+    assert verdict.pool == 4 and verdict.reference == 0.9
+    assert verdict.rejected == {} and verdict.scale == {}
+    assert judge({0: 1e-6, 1: 1.0}, GUARD, {0: 5.0, 2: 1.1}).pool == 3  # this round's norm wins
+
+
+def test_frame_bounds_remember_the_counted_frames_of_the_last_rounds() -> None:
+    guard = GuardConfig(reference_rounds=2)
+    bounds = FrameBounds(guard, [torch.zeros(s.shape) for s in LAYOUT.specs])
+    frames = [sparse(w) for w in range(3)]
+    bounds.remember(4, Update([UpdateFrame(w, 0.5, d, f) for w, (d, f) in enumerate(frames[:2])], "sum", -1.0))
+    bounds.remember(5, Update([UpdateFrame(2, 1.0, *frames[2])], "sum", -1.0))
+    norms = [f.magnitudes()[0] for _, f in frames]
+    assert bounds.history(6) == {0: norms[0], 1: norms[1], 2: norms[2]}  # unscaled by the weight
+    assert bounds.history(7) == {2: norms[2]}  # round 4 is more than 2 rounds back
 
 
 def test_a_bounded_round_drops_the_rejected_and_scales_the_clipped() -> None:

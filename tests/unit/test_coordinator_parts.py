@@ -108,12 +108,13 @@ def test_checkpoint_roundtrip_prunes_and_skips_a_damaged_newest(tmp_path):
     for r in range(1, 6):
         ckpt = checkpoint.Checkpoint(r, {"w": torch.full((8, 8), float(r)), "b": torch.zeros(5)},
                                      {"momentum_buffers": None}, {0: {"session": "s0"}},
-                                     lay.digest, {"rounds": r})
+                                     lay.digest, {"rounds": r}, guard_norms={1: (r - 1, 0.1 + r / 3)})
         checkpoint.save(tmp_path, ckpt)
     paths = checkpoint.list_checkpoints(tmp_path)
     assert [p.name for p in paths] == [f"round_{r:08d}" for r in (3, 4, 5)]
     latest = checkpoint.load_latest(tmp_path)
     assert latest.round == 5 and latest.workers == {0: {"session": "s0"}}
+    assert latest.guard_norms == {1: (4, 0.1 + 5 / 3)}  # the frame bounds' memory, exactly
     assert latest.layout_digest == lay.digest and torch.equal(latest.params["w"], torch.full((8, 8), 5.0))
     assert list(latest.params) == ["w", "b"]  # the layout's order, whatever the file's
     weights = paths[-1] / checkpoint.WEIGHTS_FILE
