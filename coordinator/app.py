@@ -112,6 +112,7 @@ class Coordinator:
         write_atomic(self.run_dir / CONFIG_FILE, self.cfg.to_json() + "\n")
         if not checkpoint.list_checkpoints(self.run_dir):  # from here on a kill can resume
             self.loop.try_checkpoint(self.state.open_round())
+        self.loop.replay()  # a resumed run's logged rounds, before any Join sees the round
         servicer = CoordinatorServicer(self.state, self.cfg, self.layout, self.code)
         self._server, self.port = serve(self.cfg, servicer, self._health, self.credentials)
         listen = self.cfg.coordinator.listen

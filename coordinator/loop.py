@@ -76,12 +76,13 @@ class RoundLoop:
         self._started_at = time.monotonic()
         self.val_seconds: float | None = None  # the last validation's cost
         self.round_seconds: float | None = None  # the last round's, from open to broadcast
+        self.replayed: int | None = None  # rounds replayed from the round log (None: not yet)
 
     def run(self) -> None:
         """The rounds logged after the checkpoint, the initial loss, the joins, every
         round, then the end of the run."""
         try:
-            replayed = self.replay()
+            replayed = self.replay() if self.replayed is None else self.replayed
             if self.state.open_round() >= self.cfg.rounds:
                 if not replayed:
                     log.info("all %d rounds were already done in %s; nothing to do",
@@ -107,8 +108,11 @@ class RoundLoop:
     def replay(self) -> int:
         """Apply the rounds whose close decision is in the round log (a resumed run), as
         they were decided, and keep them for the Rounds streams of the workers that rejoin;
-        returns how many."""
+        returns how many. Coordinator.start calls it before it serves, so that a rejoining
+        worker's Join sees the replayed round (else a worker ahead of the checkpoint is
+        sent back to it and trains and applies a round twice)."""
         entries = roundlog.read(self.run_dir, self.state.open_round())
+        self.replayed = len(entries)
         for entry in entries:
             closed, update = entry.closed(), entry.update(self.state.layout)
             with self.state.publishing(closed):

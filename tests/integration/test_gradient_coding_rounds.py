@@ -43,15 +43,6 @@ pytestmark = pytest.mark.slow
 CODED = {**SMALL, "inner.steps": "4", "coordinator.checkpoint_every": "0"}
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def run_local(processes: Processes, run_dir: Path, workers: int, rounds: int, scheme: str,
               extra: list[str] = ()) -> None:
     args = ["local", "--workers", str(workers), "--rounds", str(rounds), "--wan", "unlimited",
@@ -177,7 +168,7 @@ def test_stragglers_benchmark_quick_prints_the_json_keys(tmp_path: Path) -> None
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(result) == {"n=2 s=1"}
+    assert set(result) == {"n=2 s=1", "corpus", "data_fingerprint", "versions"}  # + provenance
     case = result["n=2 s=1"]
     assert set(case) == {"none", "pgc-fr", "load_average"}
     keys = {"base_round_s", "straggler_round_s", "x_base", "final_val_loss", "loss_vs_none"}

@@ -50,7 +50,7 @@ HERE = Path(__file__).parent
 def run_config(tls: Path | None = None, workers: int = 3):
     overrides = {
         "workers": workers, "rounds": 2, "task.model": "gpt-tiny", "task.seq_len": 16,
-        "task.batch_size": 4, "task.val_batches": 1, "task.corpus_bytes": 100_000,
+        "task.batch_size": 4, "task.val_windows": 8, "task.corpus_bytes": 100_000,
         "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
         "coordinator.join_timeout_s": 600.0, "coordinator.checkpoint_every": 0}
     if tls is not None:

@@ -91,7 +91,11 @@ def test_sigkilled_worker_comes_back_and_agrees(processes: Processes, tmp_path: 
     victim = worker_reports(reports)[1]["pid"]
     name = next(n for n, p in processes.procs.items() if p.pid == victim)
     processes.kill(name)  # mid-run: its frame of the open round is in flight or not yet made
-    start_worker(processes, address, reports, "worker-new")  # takes the dead slot once it is dead
+    survivor = next(n for n, p in processes.procs.items() if p.pid == worker_reports(reports)[0]["pid"])
+    with processes.paused(survivor):  # no round closes until the new worker is in
+        start_worker(processes, address, reports, "worker-new")  # takes the dead slot once it is dead
+        wait_until(lambda: processes.log("coordinator").count("worker 1 follows rounds") >= 2, 180,
+                   "the new worker to follow the rounds as worker 1")
 
     assert processes.wait("coordinator", timeout=180) == 0, processes.log("coordinator")[-3000:]
     for n in [n for n in processes.procs if n.startswith("worker") and n != name]:

@@ -30,7 +30,7 @@ def coordinator(tmp_path: Path) -> Iterator[tuple[Coordinator, Path]]:
     os.environ[MARKS] = str(marks)
     cfg = load_config(overrides={
         "workers": 1, "rounds": 1, "task.model": f"{model}:make_model", "task.seq_len": 16,
-        "task.batch_size": 4, "task.val_batches": 1, "task.corpus_bytes": 100_000, "inner.steps": 2,
+        "task.batch_size": 4, "task.val_windows": 8, "task.corpus_bytes": 100_000, "inner.steps": 2,
         "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN, "coordinator.join_timeout_s": 600.0,
         "coordinator.checkpoint_every": 0,
         "coordinator.liveness_s": 2.0})  # the refused worker's slot is free again soon

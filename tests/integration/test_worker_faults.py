@@ -38,15 +38,6 @@ pytestmark = pytest.mark.slow
 WORKERS = 3
 
 
-@pytest.fixture
-def processes(tmp_path: Path):
-    procs = Processes(tmp_path / "logs")
-    try:
-        yield procs
-    finally:
-        procs.cleanup()
-
-
 def start_coordinator(processes: Processes, run_dir: Path, listen: str, rounds: int,
                       extra: dict[str, str], resume: bool = False, name: str = "coordinator") -> None:
     args = ["coordinator", "--listen", listen, "--workers", str(WORKERS), "--rounds", str(rounds),
@@ -178,7 +169,8 @@ def test_a_worker_on_other_data_refuses_to_start(processes: Processes, tmp_path:
     address = f"127.0.0.1:{read_port(run_dir)}"  # it has read the corpus and taken its fingerprint
     corpus.write_text("".join(reversed(words)) * 12)  # the same path, other text: this machine's data
     processes.start("worker", ["worker", "--coordinator", address, "--device", "cpu",
-                               "--connect-timeout", "60"])
+                               "--connect-timeout", "60",
+                               "--set", "worker.allow_config_code=true"])  # the data path is its own
     assert processes.wait("worker", timeout=120) == 1
     log = processes.log("worker")
     assert "data mismatch" in log and "has fingerprint" in log and "Traceback" not in log, log[-3000:]
