@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from torch import Tensor, nn
 
 from geoloco import transport
+from geoloco.certs import WorkerTokensError, load_worker_tokens
 from geoloco.compression import Layout, on_huge_pages
 from geoloco.config import ConfigError, RunConfig, require_token
 from geoloco.coordinator import checkpoint
@@ -68,7 +69,9 @@ class Coordinator:
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
                  crash_at: tuple[str, int] | None = None) -> None:
-        token = require_token(cfg)
+        worker_tokens = _worker_tokens(cfg)
+        # per-worker tokens replace the shared one, which is then not needed
+        token = (cfg.coordinator.token or "") if worker_tokens else require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
@@ -78,7 +81,7 @@ class Coordinator:
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
-        registry = WorkerRegistry(cfg.workers, token)
+        registry = WorkerRegistry(cfg.workers, token, worker_tokens)
         for stale in checkpoint.remove_stale(self.run_dir):
             log.info("removed %s, left by a write that was cut off", stale)
         start_round, totals, guard_norms = 0, RunTotals(), {}
@@ -217,6 +220,17 @@ def _params_on_huge_pages(model: nn.Module) -> tuple[Layout, list[Tensor]]:
     for (_, t), data in zip(named, on_huge_pages([t.data for _, t in named]), strict=True):
         t.data = data
     return replica_layout(model), [t.data for _, t in named]
+
+
+def _worker_tokens(cfg: RunConfig) -> dict[int, str] | None:
+    """coordinator.worker_tokens_file's tokens, or None when it is not set; ConfigError
+    saying what is wrong with the file."""
+    if not cfg.coordinator.worker_tokens_file:
+        return None
+    try:
+        return load_worker_tokens(cfg.coordinator.worker_tokens_file, cfg.workers)
+    except WorkerTokensError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOptimizer,

@@ -56,9 +56,12 @@ class WorkerRecord:
 class WorkerRegistry:
     """Worker slots 0..n-1; not thread-safe (the coordinator holds its lock around it)."""
 
-    def __init__(self, n: int, token: str) -> None:
+    def __init__(self, n: int, token: str, worker_tokens: dict[int, str] | None = None) -> None:
         self.n = n
         self._token = token.encode()
+        # coordinator.worker_tokens_file: worker i's own token, which binds slot i; with
+        # them the shared token admits nobody
+        self._worker_tokens = {i: t.encode() for i, t in (worker_tokens or {}).items()}
         self.records: dict[int, WorkerRecord] = {}
 
     def join(self, token: str, hostname: str, device: str, reclaim_id: int | None,
@@ -74,18 +77,38 @@ class WorkerRegistry:
                 "wrong token: the run's token (coordinator.token) does not match; "
                 "start the worker with the coordinator's token",
             )
+        token_slot = self.token_slot(token)
+        if token_slot is not None:  # a per-worker token: its slot, whatever else is asked
+            for asked, what in ((cert_slot, "certificate's name"), (reclaim_id, "reclaimed id")):
+                if asked is not None and asked != token_slot:
+                    raise RegistryError("PERMISSION_DENIED", f"this token is worker {token_slot}'s, but the "
+                                        f"{what} is worker {asked}")
+            cert_slot = token_slot
         if reclaim_id is not None:
             record = self.authenticate(reclaim_id, reclaim_session, cert)
             record.session = reclaim_session
         else:
-            record = self._record_of_certificate(cert) or self._new_record(cert_slot)
+            record = (self._record_of_certificate(cert) or self._record_of_token(token_slot, cert)
+                      or self._new_record(cert_slot))
         record.hostname, record.device, record.live, record.dead = hostname, device, True, False
         record.cert, record.joined = record.cert or cert, True
         return record
 
     def token_matches(self, token: str) -> bool:
-        """Whether ``token`` is the run's token (constant time)."""
+        """Whether ``token`` admits a worker (constant time): the run's token, or with
+        per-worker tokens one of them."""
+        if self._worker_tokens:
+            return self.token_slot(token) is not None
         return hmac.compare_digest(token.encode(), self._token)
+
+    def token_slot(self, token: str) -> int | None:
+        """The slot whose per-worker token ``token`` is (every token compared, in constant
+        time each), else None."""
+        given, found = token.encode(), None
+        for i, t in self._worker_tokens.items():
+            if hmac.compare_digest(given, t):
+                found = i
+        return found
 
     def authenticate(self, worker_id: int, session: str, cert: str | None = None) -> WorkerRecord:
         """The record of ``worker_id`` if ``session`` is its secret and, once the worker
@@ -117,6 +140,20 @@ class WorkerRegistry:
         if record is not None:
             record.session = secrets.token_hex(16)
             record.session_hash = session_hash(record.session)
+        return record
+
+    def _record_of_token(self, slot: int | None, cert: str | None) -> WorkerRecord | None:
+        """With a per-worker token, the slot it binds if a worker holds it, with a new
+        session (the old one no longer counts): the token is that worker's identity, and
+        it holds one slot. Under mutual TLS the slot's certificate must be the caller's."""
+        record = self.records.get(slot) if slot is not None else None
+        if record is None or record.dead:
+            return None
+        if record.cert is not None and record.cert != cert:
+            raise RegistryError("PERMISSION_DENIED", f"worker {slot} joined with another certificate; "
+                                "its token alone does not take the slot from it")
+        record.session = secrets.token_hex(16)
+        record.session_hash = session_hash(record.session)
         return record
 
     def _new_record(self, slot: int | None = None) -> WorkerRecord:

@@ -21,6 +21,8 @@ from geoloco.run_dir import write_atomic
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 COORDINATOR_CERT, COORDINATOR_KEY = "coordinator.pem", "coordinator.key"
 TOKEN_FILE = "token"
+WORKER_TOKENS_FILE = "worker-tokens"  # the coordinator's: "<worker id> <token>" per line
+MIN_TOKEN_CHARS = 16  # a per-worker token shorter than this is refused
 DEFAULT_SANS = ("localhost", "127.0.0.1")
 DEFAULT_DAYS = 365
 TOKEN_BYTES = 32
@@ -34,6 +36,53 @@ def worker_cert(i: int) -> str:
 
 def worker_key(i: int) -> str:
     return f"worker-{i}.key"
+
+
+def worker_token(i: int) -> str:
+    return f"worker-{i}.token"
+
+
+class WorkerTokensError(ValueError):
+    """A per-worker tokens file that cannot be used; the message says why and where."""
+
+
+def load_worker_tokens(path: str | Path, workers: int) -> dict[int, str]:
+    """Worker id -> token from ``path`` (lines "<id> <token>"; blank lines and # comments
+    skipped). Refused: a file others can read, an id outside 0..workers-1 or given twice,
+    a token shorter than MIN_TOKEN_CHARS or shared by two ids, and no token at all."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode & 0o777
+        text = path.read_text()
+    except OSError as exc:
+        raise WorkerTokensError(f"coordinator.worker_tokens_file: cannot read {path} ({exc.strerror})") from None
+    if mode & 0o077:
+        raise WorkerTokensError(f"coordinator.worker_tokens_file: {path} is readable by others (mode "
+                                f"{mode:o}); chmod 600 {path}")
+    tokens: dict[int, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        where = f"coordinator.worker_tokens_file: {path} line {number}"
+        if len(parts) != 2 or not parts[0].isdigit() or len(parts[0]) > 6:
+            raise WorkerTokensError(f"{where}: expected '<worker id> <token>'")
+        worker, token = int(parts[0]), parts[1]
+        if worker >= workers:
+            raise WorkerTokensError(f"{where}: worker {worker}, but the run has {workers} worker slots "
+                                    f"(0..{workers - 1})")
+        if worker in tokens:
+            raise WorkerTokensError(f"{where}: worker {worker} is given twice")
+        if len(token) < MIN_TOKEN_CHARS:
+            raise WorkerTokensError(f"{where}: the token of worker {worker} is shorter than "
+                                    f"{MIN_TOKEN_CHARS} characters")
+        if token in tokens.values():
+            raise WorkerTokensError(f"{where}: worker {worker} has another worker's token")
+        tokens[worker] = token
+    if not tokens:
+        raise WorkerTokensError(f"coordinator.worker_tokens_file: {path} holds no token")
+    return tokens
 
 
 @dataclass
@@ -115,8 +164,9 @@ def make_run_credentials(out: Path, sans: list[str] | None, workers: int,
                          days: int = DEFAULT_DAYS) -> list[Path]:
     """Fill ``out`` with what a run needs, keeping what is already there: the CA (reused
     when ``ca.key`` exists), the coordinator certificate (made again when ``sans`` is
-    given), ``worker-<i>`` certificates for i < ``workers`` and a token file. Returns the
-    files written."""
+    given), ``worker-<i>`` certificates for i < ``workers``, the run token file, a
+    ``worker-<i>.token`` for each worker and the coordinator's table of them
+    (``worker-tokens``). Returns the files written."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(DIR_MODE)
@@ -139,4 +189,13 @@ def make_run_credentials(out: Path, sans: list[str] | None, workers: int,
     if not (out / TOKEN_FILE).exists():
         write_private(out / TOKEN_FILE, (secrets.token_urlsafe(TOKEN_BYTES) + "\n").encode())
         written.append(out / TOKEN_FILE)
+    for i in range(workers):  # per-worker tokens (coordinator.worker_tokens_file), kept once made
+        if not (out / worker_token(i)).exists():
+            write_private(out / worker_token(i), (secrets.token_urlsafe(TOKEN_BYTES) + "\n").encode())
+            written.append(out / worker_token(i))
+    lines = [f"{i} {(out / worker_token(i)).read_text().strip()}" for i in range(workers)]
+    table = ("# coordinator.worker_tokens_file: worker id, its token\n" + "\n".join(lines) + "\n").encode()
+    if workers and (not (out / WORKER_TOKENS_FILE).exists() or (out / WORKER_TOKENS_FILE).read_bytes() != table):
+        write_private(out / WORKER_TOKENS_FILE, table)
+        written.append(out / WORKER_TOKENS_FILE)
     return written

@@ -56,6 +56,7 @@ COORDINATOR_FLAGS = {
     "listen": "coordinator.listen", "workers": "workers", "rounds": "rounds",
     "run_dir": "run_dir", "deadline": "coordinator.deadline_s", **TLS_FLAGS,
     "metrics_port": "monitoring.metrics_port", "metrics_host": "monitoring.metrics_host",
+    "worker_tokens_file": "coordinator.worker_tokens_file",
 }
 WORKER_FLAGS = {
     "coordinator": "worker.coordinator", "device": "worker.device",
@@ -125,7 +126,12 @@ def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
 def _security(p: argparse.ArgumentParser, side: str) -> None:
     """The token and TLS flags (docs/security.md); the token itself never is a flag."""
     p.add_argument("--token-file", metavar="FILE",
-                   help="file holding the run's token (default: $GEOLOCO_TOKEN, then the config file)")
+                   help="file holding the run's token (default: $GEOLOCO_TOKEN, then the config file)"
+                   + ("" if side == "coordinator" else "; with per-worker tokens, this worker's own"))
+    if side == "coordinator":
+        p.add_argument("--worker-tokens-file", metavar="FILE",
+                       help="per-worker tokens instead of the shared one (lines '<id> <token>', mode "
+                       "0600; `geoloco certs` writes worker-tokens): worker i's token binds slot i")
     p.add_argument("--tls-ca", metavar="PEM", help="the run's CA certificate: " + (
         "require worker certificates signed by it (mutual TLS)" if side == "coordinator"
         else "check the coordinator's certificate with it (default: the system's roots)"))
@@ -214,7 +220,9 @@ def _add_certs(sub: Any) -> None:
     p = sub.add_parser("certs", allow_abbrev=False, help="make a run's CA, coordinator and worker certificates and token",
                        description="Write into DIR what a run needs for TLS: the run's own CA, a "
                        "coordinator certificate for the names and addresses given with --san, one "
-                       "client certificate per worker (worker-<i>.pem/.key) and a random token file. "
+                       "client certificate per worker (worker-<i>.pem/.key), a random token file, "
+                       "and per-worker tokens (worker-<i>.token, and worker-tokens for the "
+                       "coordinator's --worker-tokens-file). "
                        "What DIR already holds is kept (the CA signs new worker certificates); keys "
                        "and the token are written readable by their owner only.")
     p.add_argument("dir", metavar="DIR", help="where the files go (created mode 0700)")

@@ -181,6 +181,10 @@ class CoordinatorConfig:
     # or this field (config file only; never on a command line, never written out)
     token: str | None = None
     token_file: str | None = None  # a file holding the token (`geoloco certs` writes one)
+    # per-worker tokens instead of the shared one: a file (0600) of lines "<worker id>
+    # <token>" (`geoloco certs` writes worker-tokens and each worker-<i>.token); set, a Join
+    # must present worker i's token, which binds slot i, and the shared token admits nobody
+    worker_tokens_file: str | None = None
     deadline_s: float = 300.0  # a round closes at this deadline whatever has arrived
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
@@ -525,6 +529,8 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
         _check_range("coordinator.val_every", co.val_every, 0, 10**7)
     if co.token is not None and not co.token.strip():
         raise ConfigError("coordinator.token must not be empty")
+    if co.worker_tokens_file is not None and (not isinstance(co.worker_tokens_file, str) or not co.worker_tokens_file):
+        raise ConfigError(f"coordinator.worker_tokens_file: {co.worker_tokens_file!r} is not a file path")
 
 
 def _check_monitoring(mon: MonitoringConfig) -> None:
