@@ -95,7 +95,8 @@ def test_certs_command_makes_a_ca_certificates_and_a_token_with_private_modes(tm
                  "--workers", "2"]) == 0
     assert "wrote" in capsys.readouterr().out
     assert stat.S_IMODE(out.stat().st_mode) == 0o700
-    for name in ("ca.key", "coordinator.key", "worker-0.key", "worker-1.key", "token"):
+    for name in ("ca.key", "coordinator.key", "worker-0.key", "worker-1.key", "token", "worker-0.token",
+                 "worker-1.token", "worker-tokens"):
         assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
     ca = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes())
     server = x509.load_pem_x509_certificate((out / "coordinator.pem").read_bytes())
@@ -110,7 +111,7 @@ def test_certs_command_makes_a_ca_certificates_and_a_token_with_private_modes(tm
     token = (out / "token").read_text()
     # a second call keeps the CA and the token, and adds only what is missing
     written = certs.make_run_credentials(out, None, 3)
-    assert written == [out / "worker-2.pem", out / "worker-2.key"]
+    assert written == [out / "worker-2.pem", out / "worker-2.key", out / "worker-2.token", out / "worker-tokens"]
     assert (out / "token").read_text() == token
     x509.load_pem_x509_certificate((out / "worker-2.pem").read_bytes()).verify_directly_issued_by(ca)
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from geoloco.protos import geoloco_pb2, geoloco_pb2_grpc
-from geoloco.transport import CoordinatorUnreachable, JoinRefused
+from geoloco.transport import PROTOCOL_VERSION, CoordinatorUnreachable, JoinRefused
 from geoloco.worker import container
 
 
@@ -32,8 +32,11 @@ class JoinOnly(geoloco_pb2_grpc.CoordinatorServicer):
     def Join(self, request, context):  # noqa: N802 - gRPC method name
         if request.token != "right":
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad token")
+        if request.protocol_version != PROTOCOL_VERSION:  # the container's Join says its version
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol {request.protocol_version}")
         return geoloco_pb2.JoinReply(worker_id=2, session="abc", wan_profile="10mbit/30ms",
-                                     straggler_profile="exp:0.1:0.5")
+                                     straggler_profile="exp:0.1:0.5",
+                                     protocol_version=PROTOCOL_VERSION)
 
 
 @pytest.fixture
