@@ -20,7 +20,7 @@ from dockerlab import Lab, wait_for
 from geoloco.profiles import LinkProfile
 
 WORKERS = 4
-ROUNDS = 9
+ROUNDS = 14  # the cut and rejoin take up to ~6 fast rounds; the kill needs ROUNDS_AFTER_KILL after it
 DEADLINE_S = 25.0
 ROUNDS_AFTER_KILL = 2  # rounds that must close through the deadline after the kill
 PROFILES = ["40mbit/10ms", "20mbit/20ms/2ms", "10mbit/30ms", "16mbit/15ms/3ms"]
@@ -122,10 +122,13 @@ def _scenario(lab: Lab, run_dir: Path) -> Run:
                          if m["round"] > run.reconnected_at), 180, "the reconnected worker to push again")
 
     # Kill another one right after a round closes, so it dies inside the next round.
-    target = max(run.closed() + 1, ROUNDS - 1 - ROUNDS_AFTER_KILL)
+    last_kill = ROUNDS - 1 - ROUNDS_AFTER_KILL  # the latest round after which a kill can be judged
+    target = max(run.closed() + 1, last_kill)
+    assert target <= last_kill, (f"the cut and rejoin lasted until round {run.closed()}: no {ROUNDS_AFTER_KILL} "
+                                 f"rounds of {ROUNDS} are left to close after a kill")
     wait_for(lambda: run.closed() >= target, 300, f"round {target} to close")
-    by_id[KILLED].kill()
     run.killed_at = run.closed()
+    by_id[KILLED].kill()
 
     run.coordinator_exit = coordinator.wait(timeout=600)["StatusCode"]
     for wid, container in by_id.items():
