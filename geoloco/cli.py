@@ -246,10 +246,14 @@ def _add_certs(sub: Any) -> None:
 def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", allow_abbrev=False, help="write a run's newest checkpoint as a model folder others load",
                        description="A transformers save_pretrained folder for hf: models; for the "
-                       "others model.safetensors (a plain state dict) beside config.json. The "
+                       "others model.safetensors (a plain state dict under every state-dict name, tied weights "
+                       "too, for a strict load_state_dict) beside config.json. The "
                        "tokenizer.json goes along when the run had one.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (config.json, checkpoints/)")
-    p.add_argument("out", metavar="OUT", help="folder to write (created; files in it are replaced)")
+    p.add_argument("out", metavar="OUT", help="folder to write (created; a file or a folder with files "
+                   "in it is refused without --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a file at OUT, or the export's files in the folder OUT (others stay)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=_run_export)
 
@@ -430,13 +434,13 @@ def _run_certs(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     configure_logging(None, args.verbose)
-    from geoloco.coordinator.export import ExportError, export_run
+    from geoloco.coordinator.export import ExportError, ExportExists, export_run
 
     try:
-        out = export_run(Path(args.run_dir), Path(args.out))
+        out = export_run(Path(args.run_dir), Path(args.out), overwrite=args.overwrite)
     except ExportError as exc:
         print(f"geoloco: export: {exc}", file=sys.stderr)
-        return EXIT_EXPORT_FAILED
+        return EXIT_CONFIG_ERROR if isinstance(exc, ExportExists) else EXIT_EXPORT_FAILED
     print(out)
     return 0
 
