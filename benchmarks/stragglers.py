@@ -104,7 +104,7 @@ def run_scheme(scheme: str, n: int, stragglers: int, seed: int, s: Settings, run
     profiles = ",".join([f"blocks:{s.factor:g}:{s.block}"] + ["none"] * (n - 1))
     args = [sys.executable, "-m", "geoloco.cli", "local", "--workers", str(n), "--rounds", str(s.rounds),
             "--wan", "unlimited", "--run-dir", str(run_dir), "--scheme", scheme,
-            "--stragglers", "0" if scheme == "none" else str(stragglers), "--straggler", profiles,
+            "--stragglers", "0" if scheme == "none" else str(stragglers), "--straggler-profiles", profiles,
             "--inner-steps", str(s.inner_steps), "--stall-timeout", "300", "--set", f"seed={seed}"]
     for key, value in TASK.items():
         args += ["--set", f"{key}={value}"]

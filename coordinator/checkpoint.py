@@ -20,6 +20,7 @@ from torch import Tensor
 
 from geoloco.run_dir import (
     CHECKPOINT_DIR,
+    DEFAULT_MODE,
     ROUNDLOG_DIR,
     fsync_path,
     remove_stale_temps,
@@ -121,13 +122,35 @@ def _write_folder(tmp: Path, ckpt: Checkpoint) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
-    save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "geoloco_round": str(ckpt.round)})
+    save_weights(weights, tmp / WEIGHTS_FILE, {"format": "pt", "geoloco_round": str(ckpt.round)})
     fsync_path(tmp / WEIGHTS_FILE)
     for name, text in ckpt.files.items():
         write_atomic(tmp / name, text)
     state = io.BytesIO()
     torch.save(ckpt.to_dict(), state)
     write_atomic(tmp / STATE_FILE, state.getbuffer())
+
+
+def save_weights(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``tensors`` as a safetensors file, readable like every file of a run but its secrets
+    (docs/security.md): safetensors writes through a temporary file of mode 0600, so the
+    mode becomes what open() gives (readable_mode)."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, readable_mode())
+
+
+def readable_mode() -> int:
+    """The mode open() gives a new file: DEFAULT_MODE less this process's umask (read from
+    /proc without changing it; elsewhere set and set back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return DEFAULT_MODE & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return DEFAULT_MODE & ~mask
 
 
 def _reason(exc: BaseException) -> str:

@@ -1,6 +1,7 @@
 """The ``geoloco`` command: ``local`` (coordinator + workers on emulated WAN links),
-``coordinator``, ``worker``, ``export``, ``warmup`` (compile the codec once) and ``report``
-(plots of runs); a config file plus flags, mapped onto geoloco.config.
+``coordinator``, ``worker``, ``export``, ``warmup`` (compile the codec once), ``report``
+(plots of runs) and ``config`` (the resolved config, or the reference of every field); a
+config file plus flags, mapped onto geoloco.config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -41,7 +43,7 @@ LOCAL_FLAGS = {
     "workers": "workers", "rounds": "rounds", "run_dir": "run_dir", "wan": "network.wan",
     "method": "compression.method", "model": "task.model", "inner_steps": "inner.steps",
     "scheme": "coding.scheme", "stragglers": "coding.stragglers",
-    "per_worker_wan": "network.per_worker", "straggler": "stragglers.per_worker",
+    "per_worker_wan": "network.per_worker", "straggler_profiles": "stragglers.per_worker",
     "seed": "seed", "deadline": "coordinator.deadline_s",
     "metrics_port": "monitoring.metrics_port", "progress": "monitoring.progress",
 }
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(sub)
     _add_warmup(sub)
     _add_report(sub)
+    _add_config(sub)
     return parser
 
 
@@ -116,7 +119,7 @@ def _run_dir_flags(p: argparse.ArgumentParser) -> None:
 
 def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
     p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port)")
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; unset: off)")
     if host:
         p.add_argument("--metrics-host", metavar="HOST",
                        help="address the metrics bind to (default 127.0.0.1: plaintext HTTP, "
@@ -157,10 +160,13 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--inner-steps", type=int, metavar="H", help="inner AdamW steps per round")
     p.add_argument("--scheme", help="straggler policy: none | ignore | gc-fr | gc-cr | pgc-fr | pgc-cr")
-    p.add_argument("--stragglers", type=int, metavar="S", help="stragglers tolerated per round")
+    p.add_argument("--stragglers", type=int, metavar="S",
+                   help="how many slow or dead workers a round tolerates (gradient coding's s)")
     p.add_argument("--per-worker-wan", metavar="P0,P1,...", help="per-worker link profiles, by worker id")
-    p.add_argument("--straggler", metavar="P0,P1,...",
-                   help="per-worker straggler profiles, e.g. none,none,fixed:4")
+    p.add_argument("--straggler-profiles", metavar="P0,P1,...",
+                   help="emulated slowness of each worker, by worker id, e.g. none,none,fixed:4")
+    p.add_argument("--straggler", dest="straggler_profiles", metavar="P0,P1,...",
+                   action=_DeprecatedAlias, help=argparse.SUPPRESS)  # the old name of --straggler-profiles
     p.add_argument("--seed", type=int, help="run seed (model init, data order)")
     p.add_argument("--deadline", type=float, metavar="SECONDS", help="round deadline")
     p.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
@@ -168,6 +174,7 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--progress", choices=("auto", "bar", "lines"),
                    help="a progress bar, or one plain line per round (auto: the bar on a terminal)")
     _metrics_flags(p, host=False)
+    _show_defaults(p, LOCAL_FLAGS, LOCAL_DEMO_DEFAULTS)
     p.set_defaults(run=_run_local)
 
 
@@ -184,6 +191,7 @@ def _add_coordinator(sub: Any) -> None:
     _run_dir_flags(p)
     _metrics_flags(p)
     _security(p, "coordinator")
+    _show_defaults(p, COORDINATOR_FLAGS)
     p.set_defaults(run=_run_coordinator)
 
 
@@ -213,6 +221,7 @@ def _add_worker(sub: Any) -> None:
                    "container entrypoint's join-and-apply step)")
     p.add_argument("--wait-for", metavar="FILE", help=argparse.SUPPRESS)  # launcher: join order
     _metrics_flags(p)
+    _show_defaults(p, WORKER_FLAGS)
     p.set_defaults(run=_run_worker)
 
 
@@ -237,10 +246,14 @@ def _add_certs(sub: Any) -> None:
 def _add_export(sub: Any) -> None:
     p = sub.add_parser("export", allow_abbrev=False, help="write a run's newest checkpoint as a model folder others load",
                        description="A transformers save_pretrained folder for hf: models; for the "
-                       "others model.safetensors (a plain state dict) beside config.json. The "
+                       "others model.safetensors (a plain state dict under every state-dict name, tied weights "
+                       "too, for a strict load_state_dict) beside config.json. The "
                        "tokenizer.json goes along when the run had one.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (config.json, checkpoints/)")
-    p.add_argument("out", metavar="OUT", help="folder to write (created; files in it are replaced)")
+    p.add_argument("out", metavar="OUT", help="folder to write (created; a file or a folder with files "
+                   "in it is refused without --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a file at OUT, or the export's files in the folder OUT (others stay)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(run=_run_export)
 
@@ -265,6 +278,47 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--label", action="append", default=[], metavar="NAME",
                    help="a run's name in the legends, in RUN_DIR order (default: the folder name)")
     p.set_defaults(run=_run_report)
+
+
+def _add_config(sub: Any) -> None:
+    p = sub.add_parser("config", allow_abbrev=False, help="print the resolved run config, or the reference of every field",
+                       description="Print the run config that --config and --set give, validated, as "
+                       "JSON (secrets left out); with --reference, every config field's type, default, "
+                       "allowed values and meaning as Markdown (docs/config.md).")
+    _common(p)
+    p.add_argument("--reference", action="store_true", help="print the reference of every field")
+    p.set_defaults(run=_run_config)
+
+
+class _DeprecatedAlias(argparse.Action):
+    """A flag's old spelling: stores like the new one and says which that is."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        print(f"geoloco: warning: {option_string} is deprecated; use {new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _show_defaults(p: argparse.ArgumentParser, flags: dict[str, str],
+                   demo: dict[str, str] | None = None) -> None:
+    """Append each config flag's default (and its config field) to its help; ``demo``:
+    the values used without --config where they differ."""
+    defaults = dataclasses.asdict(RunConfig())
+    for action in p._actions:
+        key = flags.get(action.dest)
+        if key is None or action.help in (None, argparse.SUPPRESS):
+            continue
+        value: Any = defaults
+        for part in key.split("."):
+            value = value[part]
+        if "default" in action.help:  # the help says it already
+            action.help += f" (config: {key})"
+            continue
+        shown = "unset" if value in (None, []) else str(value).lower() if isinstance(value, bool) else value
+        if demo and key in demo and demo[key] != str(value):
+            shown = f"{demo[key]} without --config, else {shown}"
+        action.help += f" (default: {shown}; config: {key})".replace("%", "%%")
 
 
 def resolve_config(args: argparse.Namespace, flags: dict[str, str],
@@ -380,14 +434,24 @@ def _run_certs(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     configure_logging(None, args.verbose)
-    from geoloco.coordinator.export import ExportError, export_run
+    from geoloco.coordinator.export import ExportError, ExportExists, export_run
 
     try:
-        out = export_run(Path(args.run_dir), Path(args.out))
+        out = export_run(Path(args.run_dir), Path(args.out), overwrite=args.overwrite)
     except ExportError as exc:
         print(f"geoloco: export: {exc}", file=sys.stderr)
-        return EXIT_EXPORT_FAILED
+        return EXIT_CONFIG_ERROR if isinstance(exc, ExportExists) else EXIT_EXPORT_FAILED
     print(out)
+    return 0
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    if args.reference:
+        from geoloco.config_reference import render
+
+        print(render(), end="")
+        return 0
+    print(resolve_config(args, {}).to_json())
     return 0
 
 

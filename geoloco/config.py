@@ -56,7 +56,7 @@ class TaskConfig:
     fixed-seed validation set of val_windows windows spread over the whole corpus is held
     out, and the rest are split between the partitions (docs/decisions.md, "The data split")."""
 
-    # one of MODEL_PRESETS (tiny ~1M parameters for tests and demos); module:function or
+    # a preset (gpt-tiny: ~1M parameters, for tests and demos); module:function or
     # path/to/file.py:function (a factory of an nn.Module); hf:PATH (a transformers causal LM
     # from a local config.json or checkpoint folder)
     model: str = "gpt-tiny"
@@ -91,10 +91,10 @@ class InnerConfig:
     lr: float = 3e-3  # peak AdamW learning rate
     warmup_steps: int = 20  # linear warm-up, then cosine decay over all rounds' inner steps
     min_lr_ratio: float = 0.1  # cosine floor as a fraction of lr
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # the gradients' global L2 norm is clipped to this before each step
 
 
 @dataclass
@@ -106,10 +106,12 @@ class CompressionConfig:
     # it within [density_min, density_max] from its measured upload rate so that its push
     # takes target_push_s (under outer.overlap, unset: one inner phase's compute time)
     density: float | str = 64 / 4096
-    # 4x apart by default: a frame's norm grows with k (x1.6 from 32 to 128 of 4096), and the
+    # density "auto"'s range, 4x apart by default: a frame's norm grows with k (x1.6 from 32 to 128 of 4096), and the
     # frame bounds clip a frame above guard.clip_ratio (2) x the round's lower median norm
     density_min: float = 32 / 4096
-    density_max: float = 128 / 4096
+    density_max: float = 128 / 4096  # the upper end of density "auto"'s range
+    # density "auto": the seconds a worker's push should take (None: one inner phase's
+    # compute time under outer.overlap)
     target_push_s: float | None = None
     ef_beta: float = 0.95  # error-feedback decay
     tile: int = 64  # 2-D tensors are chunked into tile x tile blocks
@@ -127,8 +129,8 @@ class OuterConfig:
     """Outer optimizer; None picks the method's default (SparseLoCo: SGD lr 1, no momentum;
     DiLoCo: Nesterov SGD lr 0.7, momentum 0.9)."""
 
-    lr: float | None = None
-    momentum: float | None = None
+    lr: float | None = None  # the outer SGD learning rate (None: the method's default)
+    momentum: float | None = None  # Nesterov momentum of the outer SGD (None: the method's default)
     # mean_kept (SparseLoCo's rule): each coordinate is the mean over the frames that kept
     # it, wherever that is exact (uncoded, ignore, FR; cyclic codes take the weighted sum);
     # mean: the weighted sum of the frames divided by all n partitions, always
@@ -145,17 +147,20 @@ class OuterConfig:
 class CodingConfig:
     """Gradient coding against stragglers (Tandon et al. 2017; docs/gradient-coding.md)."""
 
-    scheme: str = "none"  # one of SCHEMES
+    # none: wait for every worker; ignore: close on the first n - s, the missing partitions
+    # estimated; gc-fr/gc-cr: gradient codes (fractional repetition, cyclic) that decode the
+    # exact sum from any n - s; pgc-*: the same, pipelined over rounds
+    scheme: str = "none"
     stragglers: int = 0  # s: how many slow or dead workers a round tolerates
-    seed: int = 0
+    seed: int = 0  # seeds the random code matrices of the -cr schemes
 
 
 @dataclass
 class NetworkConfig:
     """Emulated WAN links: a default profile and optional per-worker overrides (by id)."""
 
-    wan: str = "20mbit/50ms"
-    per_worker: list[str] = field(default_factory=list)
+    wan: str = "20mbit/50ms"  # every worker's link profile (rate/delay/jitter/loss)
+    per_worker: list[str] = field(default_factory=list)  # link profiles by worker id, overriding wan
 
     def profile_for(self, worker_id: int) -> LinkProfile:
         text = self.per_worker[worker_id] if worker_id < len(self.per_worker) else self.wan
@@ -167,8 +172,8 @@ class StragglerConfig:
     """Straggler emulation on workers: a default profile and per-worker overrides (by id),
     e.g. ``none``, ``fixed:4``, ``exp:0.1:0.5``, ``markov:0.1:0.3:4``, ``trace:FILE``."""
 
-    default: str = "none"
-    per_worker: list[str] = field(default_factory=list)
+    default: str = "none"  # every worker's straggler profile (none: no emulated slowness)
+    per_worker: list[str] = field(default_factory=list)  # profiles by worker id, overriding default
 
     def profile_for(self, worker_id: int) -> str:
         return self.per_worker[worker_id] if worker_id < len(self.per_worker) else self.default
@@ -176,7 +181,10 @@ class StragglerConfig:
 
 @dataclass
 class CoordinatorConfig:
-    listen: str = "127.0.0.1:50051"
+    """The coordinator's server: where it listens, who it admits, how long rounds wait, and
+    how often it checkpoints and validates."""
+
+    listen: str = "127.0.0.1:50051"  # HOST:PORT the gRPC server binds (port 0: a free one)
     # the run's shared secret that workers present at Join: from token_file, $GEOLOCO_TOKEN
     # or this field (config file only; never on a command line, never written out)
     token: str | None = None
@@ -200,7 +208,10 @@ class CoordinatorConfig:
 
 @dataclass
 class WorkerConfig:
-    coordinator: str = "127.0.0.1:50051"
+    """A worker process's own settings: these are read from its local config and flags,
+    not from the run config the coordinator sends."""
+
+    coordinator: str = "127.0.0.1:50051"  # HOST:PORT of the coordinator to join
     connect_timeout_s: float = 60.0  # give up (exit non-zero) after retrying this long
     device: str = "auto"  # auto | cpu | cuda
     # the inner loop's autocast: bf16 | fp32 | auto (bf16 on a GPU that has it, else fp32);
@@ -233,8 +244,9 @@ class MonitoringConfig:
     # authentication; 0.0.0.0 only where the network around it is private (a container's)
     metrics_host: str = "127.0.0.1"
     tensorboard: bool = False  # TensorBoard scalars of every round in run_dir/tensorboard
-    progress: str = "auto"  # geoloco local: bar | lines (one plain line per round) | auto:
-    # the bar on a terminal, lines otherwise (CI, logs)
+    # geoloco local: bar | lines (one plain line per round) | auto: the bar on a terminal,
+    # lines otherwise (CI, logs)
+    progress: str = "auto"
 
 
 @dataclass
@@ -248,8 +260,9 @@ class TlsConfig:
     ca: str | None = None  # PEM: the run's CA certificate
     cert: str | None = None  # PEM: this process's certificate (chain)
     key: str | None = None  # PEM: its private key
-    server_name: str | None = None  # worker: the name the coordinator's certificate must
-    # carry (default: the host of worker.coordinator)
+    # worker: the name the coordinator's certificate must carry (default: the host of
+    # worker.coordinator)
+    server_name: str | None = None
     insecure: bool = False  # allow plaintext on a non-loopback address (warned at every start)
 
 
@@ -265,17 +278,20 @@ class GuardConfig:
     are only clipped, never dropped by the ratio (at n = 2 one worker cannot be told from
     the other)."""
 
-    clip_ratio: float = 2.0
-    reject_ratio: float = 100.0
-    reference_rounds: int = 8
-    min_reference_workers: int = 3
+    clip_ratio: float = 2.0  # a frame above this x the reference norm is scaled down to it
+    reject_ratio: float = 100.0  # a frame above this x the reference norm is dropped
+    reference_rounds: int = 8  # how many rounds back an absent worker's last norm still counts
+    min_reference_workers: int = 3  # fewer norms in the pool: frames are only clipped
 
 
 @dataclass
 class RunConfig:
-    workers: int = 4
-    rounds: int = 20
-    seed: int = 0
+    """A run: its size and seed, where it writes, and one section per part of the system."""
+
+    workers: int = 4  # worker processes (each holds a slot and its partitions)
+    rounds: int = 20  # outer rounds to train
+    seed: int = 0  # the run seed: model initialisation and data order
+    # where config.json, metrics, logs and checkpoints go
     run_dir: str = "runs/latest"
     task: TaskConfig = field(default_factory=TaskConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)

@@ -23,6 +23,9 @@ from geoloco.tasks.gpt import build_model
 from geoloco.tasks.hf import PREFIX, HFModel
 from geoloco.tasks.protocol import Batch, LossFn, ModelSpec, TaskError
 
+# the key of a model's config.json that lists its tied state-dict entries (alias -> original)
+TIED_WEIGHTS = "tied_weights"
+
 
 class ModelSource(Protocol):
     """Builds the model ``task.model`` names; ``config_json`` is saved beside its weights."""
@@ -54,10 +57,25 @@ def next_token_loss(model: nn.Module, batch: Batch) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.to(device).reshape(-1))
 
 
-def describe(name: str, spec: ModelSpec, **extra: object) -> str:
-    """The config.json of a model that has no config format of its own."""
-    return json.dumps({"geoloco_model": name, "vocab_size": spec.vocab_size,
-                       "seq_len": spec.seq_len, **extra}, indent=2, sort_keys=True) + "\n"
+def describe(name: str, spec: ModelSpec, model: nn.Module, **extra: object) -> str:
+    """The config.json of a model that has no config format of its own; ``tied_weights``
+    names each state-dict entry that is another's tensor (a tied head), which the
+    checkpoint stores once and ``geoloco export`` writes under both names."""
+    return json.dumps({"geoloco_model": name, "vocab_size": spec.vocab_size, "seq_len": spec.seq_len,
+                       TIED_WEIGHTS: tied_weights(model), **extra}, indent=2, sort_keys=True) + "\n"
+
+
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """State-dict name -> the earlier name of the same tensor, for each tied entry."""
+    first: dict[tuple[int, tuple[int, ...]], str] = {}
+    tied = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if t.numel() and key in first:
+            tied[name] = first[key]
+        else:
+            first.setdefault(key, name)
+    return tied
 
 
 class PresetModel:
@@ -73,7 +91,7 @@ class PresetModel:
 
     def config_json(self, model: nn.Module, spec: ModelSpec) -> str:
         cfg = model.cfg
-        return describe(self.name, spec, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model)
+        return describe(self.name, spec, model, n_layer=cfg.n_layer, n_head=cfg.n_head, d_model=cfg.d_model)
 
 
 class FactoryModel:
@@ -108,7 +126,8 @@ class FactoryModel:
         return model, loss
 
     def config_json(self, model: nn.Module, spec: ModelSpec) -> str:
-        return describe(self.name, spec, module_class=f"{type(model).__module__}.{type(model).__qualname__}")
+        return describe(self.name, spec, model,
+                        module_class=f"{type(model).__module__}.{type(model).__qualname__}")
 
 
 def _import_module(module_name: str, name: str):

@@ -100,7 +100,7 @@ def straggler_delays(log: str) -> list[float]:
 
 def test_fixed_straggler_is_not_waited_for_under_pgc_fr(processes: Processes, tmp_path: Path) -> None:
     run_dir, rounds = tmp_path / "run", 5
-    run_local(processes, run_dir, 4, rounds, "pgc-fr", ["--straggler", "fixed:4,none,none,none"])
+    run_local(processes, run_dir, 4, rounds, "pgc-fr", ["--straggler-profiles", "fixed:4,none,none,none"])
     lines = metrics(run_dir)
     assert len(lines) == rounds
     for m in lines:

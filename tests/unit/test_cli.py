@@ -20,7 +20,7 @@ from geoloco.cli import (
 from geoloco.config import InnerConfig
 
 SUBCOMMANDS = {
-    "local": ["--workers", "--rounds", "--wan", "--run-dir", "--method", "--per-worker-wan", "--straggler"],
+    "local": ["--workers", "--rounds", "--wan", "--run-dir", "--method", "--per-worker-wan", "--straggler-profiles"],
     "coordinator": ["--listen", "--workers", "--rounds", "--run-dir", "--resume", "--token-file",
                     "--tls-cert", "--tls-key", "--tls-ca", "--insecure"],
     "worker": ["--coordinator", "--token-file", "--tls-ca", "--tls-cert", "--tls-key", "--device",
@@ -88,7 +88,7 @@ def test_file_then_set_then_flags(tmp_path) -> None:
     path.write_text(json.dumps({"rounds": 7, "inner": {"steps": 9}, "network": {"wan": "10mbit"}}))
     args = build_parser().parse_args(
         ["local", "--config", str(path), "--set", "inner.steps=11", "--set", "rounds=8",
-         "--rounds", "3", "--per-worker-wan", "1mbit,2mbit", "--straggler", "none,fixed:2"]
+         "--rounds", "3", "--per-worker-wan", "1mbit,2mbit", "--straggler-profiles", "none,fixed:2"]
     )
     cfg = resolve_config(args, LOCAL_FLAGS)
     assert cfg.rounds == 3  # the dedicated flag wins over --set and the file
@@ -116,3 +116,33 @@ def test_local_is_demo_sized_without_a_config_file(tmp_path) -> None:
     args = build_parser().parse_args(["local", "--config", str(path)])
     cfg = resolve_config(args, LOCAL_FLAGS, LOCAL_DEMO_DEFAULTS)
     assert cfg.inner.steps == InnerConfig().steps and cfg.inner.warmup_steps == 3  # a config file starts from the defaults
+
+
+@pytest.mark.parametrize(("command", "flag", "default"), [
+    ("local", "--wan", "(default: 20mbit/50ms; config: network.wan)"),
+    ("local", "--inner-steps", "(default: 10 without --config, else 20; config: inner.steps)"),
+    ("coordinator", "--listen", "(default: 127.0.0.1:50051; config: coordinator.listen)"),
+    ("coordinator", "--deadline", "(default: 300.0; config: coordinator.deadline_s)"),
+    ("worker", "--device", "(default: auto; config: worker.device)"),
+    ("worker", "--insecure", "(default: false; config: tls.insecure)"),
+])
+def test_help_shows_each_config_flags_default(command: str, flag: str, default: str,
+                                              capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the help at any space
+    after = out[out.index(f" {flag} "):][:220]  # the flag's own help
+    assert default in after, f"{flag}: {after}"
+
+
+def test_straggler_profiles_and_its_deprecated_spelling(capsys: pytest.CaptureFixture) -> None:
+    args = build_parser().parse_args(["local", "--straggler-profiles", "none,fixed:2"])
+    assert resolve_config(args, LOCAL_FLAGS).stragglers.per_worker == ["none", "fixed:2"]
+    assert not capsys.readouterr().err
+    args = build_parser().parse_args(["local", "--straggler", "fixed:3"])
+    assert resolve_config(args, LOCAL_FLAGS).stragglers.per_worker == ["fixed:3"]
+    assert "--straggler is deprecated; use --straggler-profiles" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["local", "--help"])
+    out = capsys.readouterr().out
+    assert "--straggler-profiles" in out and "--straggler " not in out

@@ -145,7 +145,7 @@ def test_partitions_per_worker_round_counts_the_arrived_frames() -> None:
 
 
 def test_local_refuses_a_malformed_straggler_profile_before_starting(tmp_path, capsys) -> None:
-    code = main(["local", "--workers", "2", "--run-dir", str(tmp_path), "--straggler", "none,fixed:0.5"])
+    code = main(["local", "--workers", "2", "--run-dir", str(tmp_path), "--straggler-profiles", "none,fixed:0.5"])
     assert code == 2
     err = capsys.readouterr().err
     assert "stragglers.per_worker[1]" in err and "fixed:0.5" in err
