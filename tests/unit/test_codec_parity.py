@@ -180,7 +180,7 @@ def test_several_frames_at_once_add_the_same_bits(backend, mode, case, reference
 def test_several_frames_of_other_codec_parameters_take_the_reference(backend):
     """Frames of different tiles or table modes are not added in one pass by the numba
     kernel (its chunks must be the same in every frame): add_frames declines, and
-    apply_frames gives the reference's bits."""
+    apply_frames gives the reference's bits. Different index codings it takes."""
     shapes = [(70, 90), (33,)]
     layout = _layout(shapes)
     deltas = [values(s, "normal", 5) for s in shapes]
@@ -191,6 +191,12 @@ def test_several_frames_of_other_codec_parameters_take_the_reference(backend):
     assert not BACKENDS[backend].add_frames(layout, got, [f.body for f in frames], [1.0] * 3, "mean_kept", 1.0)
     apply_frames(got, frames, mode="mean_kept")
     BACKENDS["reference"].add_frames(layout, want, [f.body for f in frames], [1.0] * 3, "mean_kept", 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    mixed = [decode_frame(Compressor(layout, density=0.1, tile=8, index_coding=coding, backend=backend).compress(
+        deltas, round=0, sender=0), layout, backend=backend) for coding in ("rice", "fixed")]
+    want, got = [p.clone() for p in start], [p.clone() for p in start]  # index codings mix: positions are positions
+    assert BACKENDS[backend].add_frames(layout, got, [f.body for f in mixed], [0.5, 2.0], "mean_kept", 1.0)
+    BACKENDS["reference"].add_frames(layout, want, [f.body for f in mixed], [0.5, 2.0], "mean_kept", 1.0)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
