@@ -3,6 +3,7 @@ how much error does the 2-bit quantizer add?
 
     python -m benchmarks.codec            # 4096x4096 fp32 matrix + a ~24M-parameter GPT layout
     python -m benchmarks.codec --quick    # small smoke sizes
+    python -m benchmarks.codec --apply    # several frames at once, n = 4 and 16, a 33.8M GPT layout
 
 Definitions (all GB/s count fp32 pseudo-gradient bytes, 4 per parameter):
 - encode: ``Compressor.compress`` (error feedback, top-k, quantize, code, frame).
@@ -17,6 +18,17 @@ Definitions (all GB/s count fp32 pseudo-gradient bytes, 4 per parameter):
   average for 64 positions out of 4096.
 Timings are the median of several repeats after a warm-up (numba compilation excluded).
 The JSON line (last) sums over the workloads: bytes / params, fp32 bytes / total seconds.
+
+``--apply`` times, side by side in one process (interleaved), what a round's n frames cost
+to apply once decoded, per frame: ``apply_frames`` over n frames (mean over keepers, and
+sum), the torch path it replaced (the reference's ``add_frames``: torch ``index_add_`` over
+int64 indices), n one-frame ``decode_apply`` calls (validation included), and the
+worker's round (``decode_frame`` of each frame, then ``geoloco.replica.apply_round`` with
+``mean_kept``). Target: ``apply_frames`` over n frames <= 1.5 x n x one ``decode_apply``.
+Then the latency of a tiny torch op (``ones_like`` and ``cat`` on 65 K floats) at this
+process's torch thread count, alone and while another thread decodes frames on the
+codec's threads: the stall of torch's parallel regions beside them (``--codec-threads``
+sets the codec's count apart from torch's; docs/decisions.md, "Thread policy").
 """
 
 from __future__ import annotations
@@ -26,7 +38,9 @@ import json
 import math
 import os
 import statistics
+import threading
 import time
+from collections.abc import Callable
 
 # as in geoloco's processes (geoloco/__init__.py): torch's OpenMP threads sleep after an
 # op instead of spinning on the cores the codec's threads need; set before torch loads
@@ -39,12 +53,18 @@ from geoloco.compression import (  # noqa: E402
     Compressor,
     Layout,
     TensorSpec,
+    apply_frames,
+    codec_threads,
     decode_apply,
     decode_frame,
     on_huge_pages,
+    registry,
+    set_codec_threads,
 )
+from geoloco.replica import apply_round  # noqa: E402
 
 BETA = 0.95
+APPLY_TARGET = 1.5  # apply_frames over n frames <= this x n x one decode_apply
 
 
 def gpt_layout(vocab: int, d: int, layers: int, ctx: int) -> Layout:
@@ -150,11 +170,112 @@ def design_table(layout: Layout) -> list[tuple[str, str, int, float, float]]:
     return rows
 
 
+def apply_ways(layout: Layout, params: list[torch.Tensor], datas: list[bytes]) -> dict:
+    """The ways to apply these frames that ``--apply`` compares, as callables."""
+    frames, weights = [decode_frame(d, layout) for d in datas], [1.0] * len(datas)
+    reference = registry.backend("reference")
+    return {
+        "torch_mean_kept": lambda: reference.add_frames(layout, params, [f.body for f in frames], weights,
+                                                        "mean_kept", -1e-3),
+        "fused_mean_kept": lambda: apply_frames(params, frames, weights, mode="mean_kept", alpha=-1e-3),
+        "fused_sum": lambda: apply_frames(params, frames, weights, mode="sum", alpha=-1e-3),
+        "decode_apply": lambda: [decode_apply(params, d, layout, weight=1.0, alpha=-1e-3) for d in datas],
+        "worker_round": lambda: apply_round(params, [decode_frame(d, layout) for d in datas], weights,
+                                            "mean_kept", -1e-3),
+    }
+
+
+def apply_rows(layout: Layout, ns: tuple[int, ...], repeats: int) -> list[dict]:
+    """Per n: seconds per frame of each way to apply n decoded frames (module docstring),
+    medians of ``repeats`` interleaved repetitions after a warm-up."""
+    datas = [Compressor(layout, beta=BETA).compress(pseudo_gradients(layout, seed=10 + i), round=0, sender=i)
+             for i in range(max(ns))]
+    params = on_huge_pages([torch.zeros(s.shape) for s in layout.specs])
+    rows = []
+    for n in ns:
+        ways = apply_ways(layout, params, datas[:n])
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for r in range(repeats + 1):
+            for k, fn in ways.items():
+                t = timed(fn)
+                if r:  # the first is a warm-up
+                    times[k].append(t)
+        row = {"n": n, **{f"{k}_ms": 1e3 * statistics.median(v) / n for k, v in times.items()}}
+        row["fused_vs_n_decode_apply"] = row["fused_mean_kept_ms"] / row["decode_apply_ms"]
+        row["sum_vs_n_decode_apply"] = row["fused_sum_ms"] / row["decode_apply_ms"]
+        row["torch_vs_fused"] = row["torch_mean_kept_ms"] / row["fused_mean_kept_ms"]
+        rows.append(row)
+    return rows
+
+
+def tiny_op_us(samples: int = 200, busy: Callable[[], object] | None = None) -> tuple[float, float]:
+    """(median, largest) microseconds of ``ones_like`` + ``cat`` on 65 K floats; with
+    ``busy``, while another thread calls it over and over (the coordinator's gRPC threads
+    decode pushes on the codec's threads while its round loop runs torch ops)."""
+    x = torch.zeros(1 << 16)
+    times: list[float] = []
+    done = threading.Event()
+
+    def keep_busy() -> None:
+        while not done.is_set():
+            busy()
+
+    other = threading.Thread(target=keep_busy, daemon=True) if busy is not None else None
+    if other is not None:
+        other.start()
+        time.sleep(0.05)
+    for _ in range(samples):
+        t = time.perf_counter()
+        torch.cat([x, torch.ones_like(x)])
+        times.append(1e6 * (time.perf_counter() - t))
+    done.set()
+    if other is not None:
+        other.join()
+    return statistics.median(times), max(times)
+
+
+def main_apply(quick: bool, repeats: int | None) -> None:
+    layout = gpt_layout(512, 64, 2, 128) if quick else gpt_layout(6144, 768, 4, 1024)
+    ns = (2, 4) if quick else (4, 16)
+    tiny_first = tiny_op_us(20)  # the first ops of the process, before the codec's threads ran
+    rows = apply_rows(layout, ns, repeats or (2 if quick else 5))
+    tiny = tiny_op_us()
+    frame = Compressor(layout, beta=BETA).compress(pseudo_gradients(layout), round=0, sender=0)
+    tiny_busy = tiny_op_us(busy=lambda: decode_frame(frame, layout))
+    print(f"several frames at once: {layout.numel:,} parameters, torch threads {torch.get_num_threads()}, "
+          f"codec threads {codec_threads()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
+          "ms per frame, median of", repeats or (2 if quick else 5), "interleaved repeats")
+    print(f"{'n':>4}{'torch mean':>12}{'fused mean':>12}{'fused sum':>11}{'decode_apply':>14}{'worker round':>14}"
+          f"{'mean/n·d_a':>12}{'sum/n·d_a':>11}{'torch/fused':>13}")
+    for r in rows:
+        print(f"{r['n']:>4}{r['torch_mean_kept_ms']:>12.2f}{r['fused_mean_kept_ms']:>12.2f}{r['fused_sum_ms']:>11.2f}"
+              f"{r['decode_apply_ms']:>14.2f}{r['worker_round_ms']:>14.2f}{r['fused_vs_n_decode_apply']:>12.3f}"
+              f"{r['sum_vs_n_decode_apply']:>11.3f}{r['torch_vs_fused']:>13.1f}")
+    print(f"target: fused <= {APPLY_TARGET} x n x one decode_apply; tiny torch op (ones_like + cat, 65 K floats): "
+          f"median {tiny[0]:.0f} us, largest {tiny[1]:.0f} us; first 20 ops of the process: median "
+          f"{tiny_first[0]:.0f}, largest {tiny_first[1]:.0f} us; while another thread decodes frames: median "
+          f"{tiny_busy[0]:.0f}, largest {tiny_busy[1]:.0f} us")
+    print(json.dumps({"params": layout.numel, "torch_threads": torch.get_num_threads(),
+                      "codec_threads": codec_threads(), "rows": rows,
+                      "apply_ratio": max(r["fused_vs_n_decode_apply"] for r in rows),
+                      "apply_target": APPLY_TARGET, "tiny_op_us": tiny[0], "tiny_op_max_us": tiny[1],
+                      "tiny_op_first_us": tiny_first[0], "tiny_op_busy_us": tiny_busy[0],
+                      "tiny_op_busy_max_us": tiny_busy[1],
+                      **provenance()}))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="SparseLoCo codec benchmark")
     ap.add_argument("--quick", action="store_true", help="small smoke sizes")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--apply", action="store_true", help="several frames at once (see the module docstring)")
+    ap.add_argument("--codec-threads", type=int, default=None,
+                    help="the codec's threads (default: torch's, which OMP_NUM_THREADS sets)")
     args = ap.parse_args(argv)
+    set_codec_threads(args.codec_threads)
+    if args.apply:
+        main_apply(args.quick, args.repeats)
+        return
     if args.quick:
         work = [("matrix_256x256", Layout([TensorSpec("m", (256, 256), torch.float32)])),
                 ("gpt_tiny", gpt_layout(512, 64, 2, 128))]

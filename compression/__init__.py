@@ -10,6 +10,7 @@ the self-describing frame format (Sarfi et al. 2025, arXiv 2508.15706). See docs
     frame.py       Frame, decode_frame, encode_dense
     apply.py       aggregate, apply_frames, decode_apply
     memory.py      on_huge_pages
+    threads.py     codec_threads, set_codec_threads: the kernels' thread count
 """
 
 from .apply import aggregate, apply_frames, decode_apply
@@ -18,6 +19,7 @@ from .format import MAX_TILE, FrameError
 from .frame import Frame, decode_frame, encode_dense
 from .layout import Layout, TensorSpec
 from .memory import on_huge_pages
+from .threads import codec_threads, set_codec_threads
 
 __all__ = [
     "MAX_TILE",
@@ -28,8 +30,10 @@ __all__ = [
     "TensorSpec",
     "aggregate",
     "apply_frames",
+    "codec_threads",
     "decode_apply",
     "decode_frame",
     "encode_dense",
     "on_huge_pages",
+    "set_codec_threads",
 ]

@@ -1,6 +1,8 @@
 """Combine decoded frames into one update and apply it: a weighted sum, or SparseLoCo's
 mean over the frames that kept each coordinate (Sarfi et al. 2025, arXiv 2508.15706);
-``decode_apply`` checks and applies one frame in one pass.
+``decode_apply`` checks and applies one frame in one pass. Sparse frames are added by a
+codec backend (``CodecBackend.add_frames``: the numba kernels into fp32 CPU params, else
+the torch reference).
 
 Arithmetic is fixed so every replica gets the same bits: contributions ``fp32(w_i * v)``
 are added in frame order starting from zero, ``mean_kept`` divides by the count in fp32,
@@ -9,7 +11,6 @@ and ``apply_frames`` sets ``p = cast(fp32(p) + fp32(alpha) * U)`` once per coord
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -37,45 +38,6 @@ def _check(layout: Layout, frames: Sequence[Frame], weights, mode: str) -> list[
 
 def _f32(x: float, device) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32, device=device)
-
-
-def _sparse_update(frames, weights, j: int, mode: str, device, numel: int):
-    """(indices, U values) of tensor j over the union of kept coordinates, each once (in
-    the order frames first keep them). Several frames are gathered in zeroed scratch
-    tensors of the tensor's size, kept from call to call and zeroed again where they were
-    used: the cost is proportional to the kept elements."""
-    idx = [f.indices[j].to(device) for f in frames]
-    vals = [f.values[j].to(device) * _f32(w, device) for f, w in zip(frames, weights, strict=False)]
-    if len(frames) == 1:
-        return idx[0], vals[0]
-    u, cnt = _scratch(numel, device)
-    firsts = []
-    for i, v in zip(idx, vals, strict=False):
-        firsts.append(i[cnt[i] == 0])  # coordinates no earlier frame kept
-        u.index_add_(0, i, v)  # indices unique within a frame: deterministic
-        cnt.index_add_(0, i, torch.ones_like(v))
-    kept = torch.cat(firsts)
-    out = u[kept] / cnt[kept] if mode == "mean_kept" else u[kept]
-    u[kept] = 0.0
-    cnt[kept] = 0.0
-    return kept, out
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two zeroed fp32 tensors of ``numel`` elements on ``device``, this thread's own (the
-    caller zeroes what it used before it returns)."""
-    held = getattr(_SCRATCH, "buffers", None)
-    if held is None:
-        held = _SCRATCH.buffers = {}
-    key = torch.device(device)
-    if key not in held or held[key][0].numel() < numel:
-        held[key] = (torch.zeros(numel, dtype=torch.float32, device=key),
-                     torch.zeros(numel, dtype=torch.float32, device=key))
-    u, cnt = held[key]
-    return u[:numel], cnt[:numel]
 
 
 def _dense_update(layout, frames, weights, j: int, mode: str, device) -> torch.Tensor:
@@ -119,35 +81,26 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
     params = list(params)
     if len(params) != len(layout.specs):
         raise ValueError(f"{len(params)} params for a layout of {len(layout.specs)} tensors")
-    any_dense = any(f.kind == "dense" for f in frames)
-    if len(frames) == 1 and not any_dense and frames[0].body.add_into(params, weights[0], alpha):
-        return
-    scatter = []  # (fp32 contiguous param, indices, steps), added by the backend in one go
-    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=False)):
+    for spec, p in zip(layout.specs, params, strict=True):
         if tuple(p.shape) != spec.shape:
             raise ValueError(f"param {spec.name!r} has shape {tuple(p.shape)}, layout says {spec.shape}")
+    if any(f.kind == "dense" for f in frames):
+        _apply_dense(layout, params, frames, weights, mode, alpha)
+        return
+    bodies = [f.body for f in frames]
+    if not registry.DECODER.add_frames(layout, params, bodies, weights, mode, alpha):
+        registry.backend("reference").add_frames(layout, params, bodies, weights, mode, alpha)
+
+
+def _apply_dense(layout: Layout, params: list[torch.Tensor], frames: list[Frame], weights: list[float], mode: str,
+                 alpha: float) -> None:
+    """apply_frames where some frame is dense: the dense update of each tensor."""
+    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=True)):
         if spec.numel == 0:
             continue
-        a = _f32(alpha, p.device)
         with torch.no_grad():
-            if any_dense:
-                step = _dense_update(layout, frames, weights, j, mode, p.device) * a
-                p.copy_((p.float() + step.view(spec.shape)).to(p.dtype))
-                continue
-            idx, u = _sparse_update(frames, weights, j, mode, p.device, spec.numel)
-            step = u * a
-            if p.is_contiguous():
-                if p.dtype == torch.float32:
-                    scatter.append((p.data, idx, step))
-                else:
-                    flat = p.data.view(-1)
-                    flat[idx] = (flat[idx].float() + step).to(p.dtype)
-            else:  # non-contiguous param: update a flat copy, write it back
-                tmp = p.reshape(-1).clone()
-                tmp[idx] = (tmp[idx].float() + step).to(p.dtype)
-                p.copy_(tmp.view(spec.shape))
-    if scatter:
-        registry.DECODER.add_at(scatter)
+            step = _dense_update(layout, frames, weights, j, mode, p.device) * _f32(alpha, p.device)
+            p.copy_((p.float() + step.view(spec.shape)).to(p.dtype))
 
 
 def decode_apply(params: Sequence[torch.Tensor], data: bytes, layout: Layout, *, weight: float = 1.0,

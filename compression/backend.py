@@ -1,5 +1,6 @@
 """What a codec backend does: encode error feedback into a sparse frame's sections, and
-check, decode and apply those sections (the SparseLoCo codec of docs/codec.md).
+check, decode and apply those sections, one frame or several at once (the SparseLoCo codec
+of docs/codec.md).
 
 Two backends implement it: the plain-torch reference (``reference.py``, the executable
 specification, any device) and the numba CPU kernels (``_cpu/``). ``registry.py`` lists
@@ -105,6 +106,14 @@ class CodecBackend(Protocol):
                     alpha: float) -> ApplyInto | None:
         """Get ready to add ``data`` into ``params`` while decoding it, or None where this
         backend cannot (the caller then decodes, then applies)."""
+        ...
+
+    def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence[SparseBody],
+                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+        """``params += alpha * U`` for these sparse frames' bodies (``mode`` "sum" or
+        "mean_kept"), with the arithmetic of docs/codec.md ("Several frames at once");
+        False (nothing done) where this backend cannot for these params or bodies (the
+        reference always can)."""
         ...
 
     def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

@@ -15,13 +15,13 @@ def kernels_cached() -> bool:
     try:
         from numba.core.registry import CPUDispatcher
 
-        from ._cpu import decode_kernels, encode_kernels
+        from ._cpu import decode_kernels, encode_kernels, merge_kernels
     except ImportError as exc:
         if exc.name in ("numba", "llvmlite"):
             return True
         raise
     found = False
-    for module in (encode_kernels, decode_kernels):
+    for module in (encode_kernels, decode_kernels, merge_kernels):
         for kernel in vars(module).values():
             if not isinstance(kernel, CPUDispatcher) or kernel._cache is None:
                 continue

@@ -1,7 +1,7 @@
 """The executable specification of the sparse codec, in plain torch on any device:
 SparseLoCo's chunked top-k with error feedback and 2-bit values (Sarfi et al. 2025,
-arXiv 2508.15706), coded into the sections of the frame format of docs/codec.md, and the
-checking decoder of those sections.
+arXiv 2508.15706), coded into the sections of the frame format of docs/codec.md, the
+checking decoder of those sections, and the sum or mean over keepers of several frames.
 
 Encoding: the ``k`` largest ``|e|`` of each chunk, equal magnitudes to the lower in-chunk
 position; 2-bit codes ``sign x {lo, hi}`` where, with the kept magnitudes sorted in
@@ -16,6 +16,7 @@ segment by segment and chunk by chunk, and names the first problem found.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -453,6 +454,78 @@ def _per_tensor(geo: FrameGeometry, positions: torch.Tensor, values: torch.Tenso
     return indices, vals
 
 
+# ----------------------------------------------------------------------------- apply
+
+
+def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence, weights: Sequence[float],
+               mode: str, alpha: float) -> None:
+    """``params[j] += alpha * U[j]`` for checked sparse frames (any backend's bodies), params
+    of any float dtype on any device: with one frame ``U = fp32(w * v)``; with several,
+    per coordinate ``U = ((0 + fp32(w_0 v_0)) + fp32(w_1 v_1)) + ...`` over the frames that
+    kept it, in frame order, and for ``mean_kept`` then ``U / count`` in fp32; each
+    coordinate updated once, ``p = cast(fp32(p) + fp32(U * fp32(alpha)))``."""
+    decoded = [b.materialize() for b in bodies]
+    for j, (spec, p) in enumerate(zip(layout.specs, params, strict=True)):
+        if spec.numel == 0:
+            continue
+        with torch.no_grad():
+            idx, u = _sparse_update(decoded, weights, j, mode, p.device, spec.numel)
+            step = u * _f32(alpha, p.device)
+            if not p.is_contiguous():  # update a flat copy, write it back
+                tmp = p.reshape(-1).clone()
+                tmp[idx] = (tmp[idx].float() + step).to(p.dtype)
+                p.copy_(tmp.view(spec.shape))
+            elif p.dtype == torch.float32:
+                p.data.view(-1).index_add_(0, idx, step)  # indices unique: one addition each
+            else:
+                flat = p.data.view(-1)
+                flat[idx] = (flat[idx].float() + step).to(p.dtype)
+
+
+def _f32(x: float, device) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32, device=device)
+
+
+def _sparse_update(decoded, weights, j: int, mode: str, device, numel: int):
+    """(indices, U values) of tensor j over the union of kept coordinates, each once (in
+    the order frames first keep them); decoded: per frame, (indices, values) per tensor.
+    Several frames are gathered in zeroed scratch tensors of the tensor's size, kept from
+    call to call and zeroed again where they were used: the cost is proportional to the
+    kept elements."""
+    idx = [ind[j].to(device) for ind, _ in decoded]
+    vals = [val[j].to(device) * _f32(w, device) for (_, val), w in zip(decoded, weights, strict=True)]
+    if len(decoded) == 1:
+        return idx[0], vals[0]
+    u, cnt = _scratch(numel, device)
+    firsts = []
+    for i, v in zip(idx, vals, strict=True):
+        firsts.append(i[cnt[i] == 0])  # coordinates no earlier frame kept
+        u.index_add_(0, i, v)  # indices unique within a frame: deterministic
+        cnt.index_add_(0, i, torch.ones_like(v))
+    kept = torch.cat(firsts)
+    out = u[kept] / cnt[kept] if mode == "mean_kept" else u[kept]
+    u[kept] = 0.0
+    cnt[kept] = 0.0
+    return kept, out
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two zeroed fp32 tensors of ``numel`` elements on ``device``, this thread's own (the
+    caller zeroes what it used before it returns)."""
+    held = getattr(_SCRATCH, "buffers", None)
+    if held is None:
+        held = _SCRATCH.buffers = {}
+    key = torch.device(device)
+    if key not in held or held[key][0].numel() < numel:
+        held[key] = (torch.zeros(numel, dtype=torch.float32, device=key),
+                     torch.zeros(numel, dtype=torch.float32, device=key))
+    u, cnt = held[key]
+    return u[:numel], cnt[:numel]
+
+
 # ----------------------------------------------------------------------------- backend
 
 
@@ -474,6 +547,11 @@ class ReferenceBackend:
     def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,
                     alpha: float) -> None:
         return None
+
+    def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
+                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+        add_frames(layout, params, bodies, weights, mode, alpha)
+        return True
 
     def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         for p, idx, step in updates:

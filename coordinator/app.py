@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from geoloco import transport
 from geoloco.certs import WorkerTokensError, load_worker_tokens
-from geoloco.compression import Layout, on_huge_pages
+from geoloco.compression import Layout, on_huge_pages, set_codec_threads
 from geoloco.config import ConfigError, RunConfig, require_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
@@ -292,6 +292,7 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
     dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
     ConfigError otherwise)."""
     claim_run_dir(run_dir, resume, overwrite)
+    coordinator_threads()
     if resume and run_is_done(cfg, Path(run_dir)):
         return EXIT_OK
     with StopSignals() as signals:
@@ -313,6 +314,15 @@ def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
                 return _stop_and_checkpoint(coordinator, signals.name)
     coordinator.stop()
     return EXIT_FAILED if coordinator.failed else EXIT_OK
+
+
+def coordinator_threads() -> None:
+    """The coordinator process's thread policy (docs/decisions.md, "Thread policy"): the
+    codec's kernels keep the threads torch would have had (OMP_NUM_THREADS, else the
+    cores), and torch's own ops run on one, so that no torch parallel region waits for a
+    core held by the codec's threads, the gRPC threads or another process."""
+    set_codec_threads(torch.get_num_threads())
+    torch.set_num_threads(1)
 
 
 def run_is_done(cfg: RunConfig, run_dir: Path) -> bool:

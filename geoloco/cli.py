@@ -211,7 +211,7 @@ def _add_worker(sub: Any) -> None:
                    help="give up (exit 1) when the coordinator stays unreachable this long")
     p.add_argument("--wan-emulate", metavar="PROFILE",
                    help="relay through an in-process link emulator with this profile (for hosts without netem)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, and the codec's (default 1)")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
     p.add_argument("--state-dir", metavar="DIR",
                    help="keep this worker's own state (error feedback, inner AdamW state, data "

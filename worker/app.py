@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from geoloco.compression import set_codec_threads
 from geoloco.config import TlsConfig
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
@@ -57,7 +58,8 @@ def run_worker(
     None: anything);
     ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
     allowed there)."""
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # the inner loop's (docs/decisions.md, "Thread policy")
+    set_codec_threads(threads)
     security = channel_security(tls or TlsConfig(), coordinator)
     with StopSignals() as signals:  # Ctrl-C or SIGTERM: stop where it is, report "stopped"
         if wait_for is not None and not _wait_for_file(Path(wait_for), signals.requested):

@@ -85,6 +85,7 @@ class FrameEncoder:
             deltas, round=0, sender=0), layout)
         params = [torch.zeros(s.shape) for s in layout.specs]
         apply_round(params, [frame, frame], [0.5, 0.5], "sum", -1.0)
+        apply_round(params, [frame, frame], [0.5, 0.5], "mean_kept", -1.0)  # several frames at once
         log.info("codec kernels ready in %.2fs", time.monotonic() - start)
 
 

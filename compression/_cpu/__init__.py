@@ -7,6 +7,7 @@ error-feedback pass, against 0.08; docs/codec.md, "Performance").
     encode_kernels.py   error feedback, top-k, quantizer and index codes in one pass
     encoder.py          runs them over a layout, double-buffering the error feedback
     decode_kernels.py   checks, decodes and applies segments of a frame
+    merge_kernels.py    adds several checked frames at once (mean over keepers, sum)
     decoder.py          runs them on the codec threads, the one-pass decode_apply
     threadpool.py       the codec threads
 """
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..backend import SparseBody
 from ..format import SparseSections, is_bins_frame
 from ..layout import ChunkGrid, Layout
 from ..reference import ReferenceBody, ReferenceEncoder, decode_sparse
@@ -54,6 +56,12 @@ class NumbaBackend:
             return None
         addrs = decoder.cpu_addresses(layout, params)
         return None if addrs is None else decoder.ApplyTarget(data, addrs, weight, alpha)
+
+    def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence[SparseBody],
+                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+        if len(bodies) == 1:
+            return bodies[0].add_into(params, weights[0], alpha)
+        return decoder.add_frames(layout, params, bodies, weights, mode, alpha)
 
     def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         decoder.add_at(updates)

@@ -23,6 +23,7 @@ from ..format import (
     table_error,
 )
 from ..layout import FrameGeometry, Layout
+from ..threads import codec_threads
 from .decode_kernels import (
     APPLY,
     CHECK_APPLY,
@@ -38,10 +39,12 @@ from .decode_kernels import (
     scatter_add,
     wait_flag,
 )
+from .merge_kernels import add_frames as merge_chunks
 from .threadpool import pieces, run_tasks, submit
 
 SEGMENTS_PER_TASK = 8  # decoding work handed to a thread at a time (8 x 64 chunks)
-SCATTER_PIECE = 1 << 16  # kept elements per task of the multi-frame scatter
+SCATTER_PIECE = 1 << 16  # kept elements per task of add_at's scatter
+MERGE_CHUNKS = 256  # chunks per task of add_frames (1 M parameters at 64 x 64 tiles)
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
@@ -76,6 +79,13 @@ class NumbaBody:
             self._run(APPLY, ap=tuple(NO_APPLY._replace(addrs=addrs, w=np.float32(weight), a=np.float32(alpha))))
         return True
 
+    def positions(self) -> np.ndarray:
+        """The in-chunk position of every kept element (uint16), decoded once more where
+        the frame was checked while it was added (CHECK_APPLY keeps none)."""
+        if not self.ready and self.check(VALIDATE) is not None:
+            raise AssertionError("validating a checked frame failed")
+        return self.fa.positions
+
     def _run(self, mode: int, out_flat=_EMPTY_I64, out_val=_EMPTY_F32, ap: tuple = _NO_APPLY) -> None:
         """MATERIALIZE, APPLY or RESTORE over all segments, in pieces on the codec threads
         (ap: ApplyArrays as a tuple)."""
@@ -89,7 +99,7 @@ class NumbaBody:
                 decode_segments(mode, self._fa, s0, s1, out_flat, out_val, ap, results[i])
             return run
 
-        run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], torch.get_num_threads())
+        run_tasks([task(i, s0, s1) for i, (s0, s1) in enumerate(ranges)], codec_threads())
         if (results[:, 0] != OK).any():  # checked already: cannot happen
             raise AssertionError(f"decoding a checked frame failed: {results}")
 
@@ -99,7 +109,7 @@ class NumbaBody:
         without waiting for a pool thread that had nothing left to do. helper: a waiting
         pool thread to take one thread's share; ap: ApplyArrays as a tuple. Returns the first segment's problem
         (status, tensor, chunk, segment), or None."""
-        n_threads = max(1, min(torch.get_num_threads(), -(-len(self.fa.seg_start) // 2)))
+        n_threads = max(1, min(codec_threads(), -(-len(self.fa.seg_start) // 2)))
         problems = np.zeros((len(self.fa.seg_start), 4), dtype=np.int64)
         shared = np.zeros(2, dtype=np.int64)  # next segment, threads at work
 
@@ -126,7 +136,7 @@ class ApplyTarget:
         self.data = data
         self.addrs, self.w, self.a = addrs, np.float32(weight), np.float32(alpha)
         long_enough = len(data) >= HEADER_BYTES + CRC_BYTES
-        self.helper = _Helper(data, torch.get_num_threads()) if long_enough else None
+        self.helper = _Helper(data, codec_threads()) if long_enough else None
 
     def checksum_ok(self) -> bool:
         return self.helper.result() if self.helper is not None else crc_matches(self.data)
@@ -267,7 +277,42 @@ def add_at(updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -
         else:
             p.view(-1).index_add_(0, idx, step)
     if tasks:
-        run_tasks(tasks, torch.get_num_threads())
+        run_tasks(tasks, codec_threads())
+
+
+def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence, weights: Sequence[float],
+               mode: str, alpha: float) -> bool:
+    """``apply_frames`` of several sparse frames into fp32 contiguous CPU params in one pass
+    (``merge_kernels.add_frames``); False (nothing done) where the params or frames do not
+    allow it: a body of another backend, or frames of other tiles, k or table modes."""
+    if not bodies or not all(isinstance(b, NumbaBody) for b in bodies):
+        return False
+    geo = bodies[0].geometry
+    if geo.layout != layout or any((b.geometry.layout, b.geometry.tile, b.geometry.k_full, b.geometry.per_chunk)
+                                   != (layout, geo.tile, geo.k_full, geo.per_chunk) for b in bodies):
+        return False
+    addrs = cpu_addresses(layout, params)
+    if addrs is None:
+        return False
+    if geo.kept == 0:
+        return True
+    sources = np.array([[_address(b.positions()), _address(b.fa.codes), _address(b.fa.levels)] for b in bodies],
+                       dtype=np.int64)
+    w, a = np.array(weights, dtype=np.float32), np.float32(alpha)
+    mean, chunks = mode == "mean_kept", geo.chunks
+
+    def task(r0: int, r1: int):
+        def run() -> None:
+            merge_chunks(chunks, r0, r1, geo.tile, geo.per_chunk, geo.tab_off, geo.grid, sources, w, a, mean, addrs)
+        return run
+
+    with torch.no_grad():  # params and bodies stay alive (held here) while the kernel reads and writes
+        run_tasks([task(r0, r1) for r0, r1 in pieces(len(chunks), MERGE_CHUNKS)], codec_threads())
+    return True
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
 
 
 def _scatter_task(arr, idx, step, a: int, b: int):

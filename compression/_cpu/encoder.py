@@ -19,6 +19,7 @@ import torch
 
 from ..backend import Encoded, NotFinite
 from ..layout import ChunkGrid
+from ..threads import codec_threads
 from .encode_kernels import (
     EncodePlan,
     count_nonfinite,
@@ -74,7 +75,7 @@ class NumbaEncoder:
         if self._spare is None:
             self._spare = [torch.empty_like(e) for e in errors]
         spare = self._spare
-        n_threads = torch.get_num_threads()
+        n_threads = codec_threads()
         tables, codes, index, chunk_bytes, bad = run_encode(
             [self._numpy(e) for e in errors], arrays, [self._numpy(e) for e in spare], beta, n_threads, self.plans,
             self._plan_tuples)

@@ -202,6 +202,50 @@ def add_f32_at(typingctx, addr, i, x):
     return types.float32(addr, i, x), codegen
 
 
+def _load(builder, ty, addr, i):
+    return builder.load(builder.gep(builder.inttoptr(addr, ty.as_pointer()), [i]))
+
+
+def _index_args(addr, i) -> bool:
+    return isinstance(addr, types.Integer) and isinstance(i, types.Integer)
+
+
+@intrinsic
+def load_f32_at(typingctx, addr, i):
+    """Element i of the fp32 array whose data starts at address addr."""
+    if not _index_args(addr, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _load(builder, ir.FloatType(), args[0], args[1])
+
+    return types.float32(addr, i), codegen
+
+
+@intrinsic
+def load_u16_at(typingctx, addr, i):
+    """Element i of the uint16 array whose data starts at address addr."""
+    if not _index_args(addr, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _load(builder, ir.IntType(16), args[0], args[1])
+
+    return types.uint16(addr, i), codegen
+
+
+@intrinsic
+def load_u8_at(typingctx, addr, i):
+    """Byte i of the uint8 array whose data starts at address addr."""
+    if not _index_args(addr, i):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _load(builder, ir.IntType(8), args[0], args[1])
+
+    return types.uint8(addr, i), codegen
+
+
 @intrinsic
 def store_f32_at(typingctx, addr, i, x):
     """``p[i] = x`` for the fp32 array whose data starts at address addr."""

@@ -1,7 +1,8 @@
 """Runs CPU kernel pieces on a small pool of threads (the numba kernels release the GIL).
 
 Threads pull pieces one at a time, so a thread that the OS delays does not hold up the
-others the way a static split would.
+others the way a static split would. How many threads run them is the codec's own setting
+(``compression.threads``).
 """
 
 from __future__ import annotations

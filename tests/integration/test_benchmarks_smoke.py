@@ -107,3 +107,19 @@ def test_codec_benchmark_quick_prints_json_with_the_issue_keys() -> None:
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result) == CODEC_KEYS | PROVENANCE | {"data_fingerprint"}
     assert all(isinstance(result[k], (int, float)) for k in CODEC_KEYS)
+
+
+APPLY_KEYS = {"params", "torch_threads", "codec_threads", "rows", "apply_ratio", "apply_target", "tiny_op_us",
+              "tiny_op_busy_us"}
+APPLY_ROW_KEYS = {"n", "torch_mean_kept_ms", "fused_mean_kept_ms", "fused_sum_ms", "decode_apply_ms",
+                  "worker_round_ms", "fused_vs_n_decode_apply", "sum_vs_n_decode_apply", "torch_vs_fused"}
+
+
+def test_codec_benchmark_apply_quick_prints_json_with_its_keys() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.codec", "--apply", "--quick", "--codec-threads", "2"],
+                         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result) >= APPLY_KEYS | PROVENANCE, result
+    assert (result["torch_threads"], result["codec_threads"]) == (1, 2)
+    assert [r["n"] for r in result["rows"]] == [2, 4] and all(set(r) >= APPLY_ROW_KEYS for r in result["rows"])

@@ -18,10 +18,12 @@ from geoloco.compression import (
     TensorSpec,
     aggregate,
     apply_frames,
+    codec_threads,
     decode_apply,
     decode_frame,
     encode_dense,
     on_huge_pages,
+    set_codec_threads,
 )
 from geoloco.compression.format import (
     HEADER_BYTES,
@@ -445,3 +447,26 @@ def test_on_huge_pages_copies_values_and_shapes():
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
     out[0].add_(1.0)
     assert not torch.equal(out[0], ts[0])  # a copy, not a view of the input
+
+
+def test_the_codec_thread_count_is_its_own_setting():
+    """set_codec_threads sets the codec's threads apart from torch's (the coordinator gives
+    torch one and the codec the cores); None follows torch's again. The frames and the
+    applied bits do not depend on it."""
+    threads = torch.get_num_threads()
+    frames = _frames(3)
+    results = []
+    try:
+        for codec in (None, 2, 1):
+            set_codec_threads(codec)
+            torch.set_num_threads(1)
+            assert codec_threads() == (codec or 1)
+            params = [torch.zeros(s.shape) for s in SPECS]
+            apply_frames(params, frames, mode="mean_kept", alpha=-0.5)
+            results.append(params)
+        with pytest.raises(ValueError, match="at least 1"):
+            set_codec_threads(0)
+    finally:
+        set_codec_threads(None)
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(r, results[0], strict=True))

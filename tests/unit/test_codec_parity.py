@@ -1,7 +1,7 @@
 """Every codec backend in the registry meets the codec's definition (docs/codec.md,
 "Algorithm"), and every other backend matches the torch reference: the same frame bytes
 and error feedback round after round, the same indices and values whichever backend
-decodes, the same parameters after decode_apply, and the same errors for bad deltas and
+decodes, the same parameters after decode_apply and after several frames at once, and the same errors for bad deltas and
 bad frames.
 
 Shapes include bands wider than the numba encoder's 4096-column work units (GROUP_COLS),
@@ -20,6 +20,7 @@ from geoloco.compression import (
     FrameError,
     Layout,
     TensorSpec,
+    apply_frames,
     decode_apply,
     decode_frame,
     encode_dense,
@@ -146,6 +147,56 @@ def test_decode_apply_adds_the_same_bits(backend, case, reference_runs):
     for r, data in enumerate(frames):
         decode_apply(want, data, layout, weight=0.5 + r, alpha=-0.3, backend="reference")
         decode_apply(got, data, layout, weight=0.5 + r, alpha=-0.3, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+@pytest.mark.parametrize("mode", ["sum", "mean_kept"])
+@pytest.mark.parametrize("case", CASES[::2], ids=_case_id)
+def test_several_frames_at_once_add_the_same_bits(backend, mode, case, reference_runs):
+    """add_frames (apply_frames over several sparse frames) gives the reference's bits:
+    per coordinate the frames that kept it added in frame order from zero, the mean
+    divided in fp32 by their count (docs/codec.md, "Several frames at once"). The rounds
+    of one compressor overlap in part; the first frame comes twice, once decoded by
+    decode_apply (which keeps no positions), so some coordinates have every frame."""
+    layout = _layout(case[0])
+    frames, _ = _reference(reference_runs, case, *CODECS[0])
+    start = [values(s.shape, "normal", 98) for s in layout.specs]
+    weights = [0.5 + r for r in range(len(frames) + 1)]
+    applied = decode_apply([p.clone() for p in start], frames[0], layout, backend=backend)
+    got_frames = [decode_frame(d, layout, backend=backend) for d in frames] + [applied]
+    want_frames = [decode_frame(d, layout, backend="reference") for d in frames + frames[:1]]
+    want, got = [p.clone() for p in start], [p.clone() for p in start]
+    assert BACKENDS["reference"].add_frames(layout, want, [f.body for f in want_frames], weights, mode, -0.3)
+    assert BACKENDS[backend].add_frames(layout, got, [f.body for f in got_frames], weights, mode, -0.3)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want, strict=True))
+    assert case[3] == "zeros" or any(not torch.equal(a, b) for a, b in zip(got, start, strict=True))
+    apply_frames(got, got_frames, weights, mode=mode, alpha=-0.3)  # the entry point takes the same path
+    BACKENDS["reference"].add_frames(layout, want, [f.body for f in want_frames], weights, mode, -0.3)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+def test_several_frames_of_other_codec_parameters_take_the_reference(backend):
+    """Frames of different tiles or table modes are not added in one pass by the numba
+    kernel (its chunks must be the same in every frame): add_frames declines, and
+    apply_frames gives the reference's bits. Different index codings it takes."""
+    shapes = [(70, 90), (33,)]
+    layout = _layout(shapes)
+    deltas = [values(s, "normal", 5) for s in shapes]
+    frames = [decode_frame(Compressor(layout, density=0.1, tile=t, table=table, backend=backend).compress(
+        deltas, round=0, sender=0), layout, backend=backend) for t, table in ((8, "chunk"), (8, "tensor"), (16, "chunk"))]
+    start = [values(s, "normal", 6) for s in shapes]
+    want, got = [p.clone() for p in start], [p.clone() for p in start]
+    assert not BACKENDS[backend].add_frames(layout, got, [f.body for f in frames], [1.0] * 3, "mean_kept", 1.0)
+    apply_frames(got, frames, mode="mean_kept")
+    BACKENDS["reference"].add_frames(layout, want, [f.body for f in frames], [1.0] * 3, "mean_kept", 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    mixed = [decode_frame(Compressor(layout, density=0.1, tile=8, index_coding=coding, backend=backend).compress(
+        deltas, round=0, sender=0), layout, backend=backend) for coding in ("rice", "fixed")]
+    want, got = [p.clone() for p in start], [p.clone() for p in start]  # index codings mix: positions are positions
+    assert BACKENDS[backend].add_frames(layout, got, [f.body for f in mixed], [0.5, 2.0], "mean_kept", 1.0)
+    BACKENDS["reference"].add_frames(layout, want, [f.body for f in mixed], [0.5, 2.0], "mean_kept", 1.0)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
