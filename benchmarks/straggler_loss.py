@@ -26,7 +26,7 @@ import json
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,8 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     divisible = args.workers % (args.stragglers + 1) == 0  # FR and aligned CR need (s + 1) | n
     schemes = [sc for sc in todo if divisible or not (sc.name.endswith("-fr") or sc.aligned)]
     jobs = [(sc, base, args.stragglers, seed) for seed in range(args.seeds) for sc in schemes]
+    losses: list[float] = [float("nan")] * len(jobs)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        losses = list(pool.map(run_one, jobs))
+        pending = {pool.submit(run_one, job): i for i, job in enumerate(jobs)}
+        for done, future in enumerate(as_completed(pending), 1):  # progress: a line per finished run
+            i = pending[future]
+            losses[i] = future.result()
+            sc, seed = jobs[i][0], jobs[i][3]
+            print(f"[{done}/{len(jobs)}] {sc.label} seed {seed}: loss {losses[i]:.4f} "
+                  f"({time.monotonic() - start:.0f} s)", file=sys.stderr, flush=True)
     table = {sc.label: [loss for (j, *_), loss in zip(jobs, losses, strict=True) if j == sc] for sc in schemes}
     uncoded = table["none"]
     print(f"{args.workers} workers, s = {args.stragglers}, {args.rounds} rounds of H={args.inner_steps}, one worker "
