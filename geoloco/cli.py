@@ -18,6 +18,7 @@ os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
+import shlex  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
@@ -32,6 +33,7 @@ from geoloco.config import (  # noqa: E402
     require_token,
     resolve_token,
 )
+from geoloco.stopping import EXIT_INTERRUPTED  # noqa: E402
 
 EXIT_CONFIG_ERROR = 2
 EXIT_EXPORT_FAILED = 1
@@ -76,6 +78,7 @@ MODEL_HELP = ("a preset (gpt-tiny | gpt-small | gpt-medium | gpt-100m), module:f
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (2 for configuration errors)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: the resume hint repeats it
     try:
         return args.run(args)
     except ConfigError as exc:
@@ -357,8 +360,18 @@ def _run_local(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.launch import run_local
 
-    return run_local(cfg, stall_timeout_s=args.stall_timeout, resume=args.resume,
-                     overwrite=args.overwrite).exit_code
+    result = run_local(cfg, stall_timeout_s=args.stall_timeout, resume=args.resume, overwrite=args.overwrite)
+    if result.exit_code == EXIT_INTERRUPTED:
+        print(resume_hint(args.argv, result.run_dir), flush=True)
+    return result.exit_code
+
+
+def resume_hint(argv: Sequence[str], run_dir: Path) -> str:
+    """After a Ctrl-C: the same command on the same run dir with ``--resume``."""
+    args = [a for a in argv if a not in ("--resume", "--overwrite")]
+    if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in args):
+        args += ["--run-dir", str(run_dir)]
+    return f"stopped; the run goes on from its last checkpoint with:\n  geoloco {shlex.join([*args, '--resume'])}"
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:

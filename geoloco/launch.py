@@ -205,7 +205,9 @@ class LocalRun:
         for i in range(self.cfg.workers):
             self._admit(i)
         self.progress.phase(f"{self.cfg.workers} workers joined, {self._links()}")
-        self.progress.phase("round 1 running: the workers build the model and train")
+        # 1-based, as the round lines; a resumed run goes on after the last round it showed
+        self.progress.phase(f"round {self.last_shown + 2} running: the workers "
+                            f"{'restore their state' if self.resume else 'build the model'} and train")
 
     def _start_warmup(self) -> None:
         """Compile the codec's kernels in one process of their own when numba's cache lacks

@@ -12,7 +12,9 @@ from typing import IO, Any, Protocol
 from tqdm import tqdm
 
 COLUMNS = 80
-BAR_FORMAT = "{n_fmt}/{total_fmt} rounds |{bar}| {elapsed}<{remaining}{postfix}"
+# tqdm's own elapsed time and rate would tell another story than the round lines (its clock
+# starts at the first round, its rate counts the start-up): the bar shows the lines' clock
+BAR_FORMAT = "{n_fmt}/{total_fmt} rounds |{bar}| {postfix}"
 
 
 class RunProgress(Protocol):
@@ -50,7 +52,10 @@ class LineProgress:
 
     def round(self, m: dict[str, Any]) -> None:
         self.eta.add(m)
-        self._write(round_line(m, self.rounds, time.monotonic() - self.started, self.eta.left()))
+        self._write(round_line(m, self.rounds, self.elapsed(), self.eta.left()))
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def close(self) -> None:
         self.stream.flush()
@@ -72,7 +77,9 @@ class BarProgress(LineProgress):
             self.bar = tqdm(total=self.rounds, initial=m["round"], file=self.stream, ncols=width,
                             bar_format=BAR_FORMAT, dynamic_ncols=False, leave=True)
         super().round(m)
-        self.bar.set_postfix_str(f"val {number(m.get('val_loss'), '.4f')}", refresh=False)
+        # the same val, elapsed and ETA as the round line just above it
+        self.bar.set_postfix_str(f"val {number(m.get('val_loss'), '.4f')}  {clock(self.elapsed())} "
+                                 f"eta {clock(self.eta.left())}", refresh=False)
         self.bar.update(m["round"] + 1 - self.bar.n)
 
     def close(self) -> None:

@@ -227,7 +227,7 @@ class LinkEmulator:
             self._accept, self.listen[0], self._port, reuse_address=True
         )
         self._port = self._server.sockets[0].getsockname()[1]
-        log.info("link %s: %s:%d -> %s:%d", self.profile, self.listen[0], self._port, *self.target)
+        log.debug("link %s: %s:%d -> %s:%d", self.profile, self.listen[0], self._port, *self.target)
 
     async def stop(self) -> None:
         """Stop listening and abort every relayed connection (the link is cut)."""

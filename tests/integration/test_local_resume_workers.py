@@ -7,6 +7,7 @@ digest."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def test_local_resume_restores_the_workers_error_feedback(processes: Processes, 
     wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
     os.killpg(first.pid, signal.SIGINT)  # one Ctrl-C
     assert processes.wait("local", timeout=60) == 130
+    assert "--resume" in processes.log("local").split("the run goes on from its last checkpoint with:")[-1]
     saved = {}
     for i in range(2):
         state = torch.load(worker_state_dir(run_dir, i) / f"worker-{i}.state.pt", weights_only=True)
@@ -46,6 +48,8 @@ def test_local_resume_restores_the_workers_error_feedback(processes: Processes, 
 
     processes.start("resumed", [*local, "--resume"])
     assert processes.wait("resumed", timeout=240) == 0, processes.log("resumed")[-3000:]
+    resumed_at = re.search(r"round (\d+) running", processes.log("resumed"))
+    assert resumed_at and int(resumed_at.group(1)) >= 3, processes.log("resumed")[:2000]  # not "round 1"
     for i in range(2):
         log = (run_dir / "logs" / f"worker-{i}.log").read_text()
         assert f"reclaiming worker {i}" in log
