@@ -37,11 +37,14 @@ from geoloco.replica import param_digest, replica_layout, replica_tensors
 from geoloco.run_dir import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
+    COORDINATOR_WRITES,
     METRICS_FILE,
     METRICS_PORT_FILE,
     PORT_FILE,
     REGISTRY_FILE,
     claim_run_dir,
+    cli_wording,
+    plan_run_dir,
     write_atomic,
 )
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
@@ -65,19 +68,29 @@ class ResumeError(RuntimeError):
 class Coordinator:
     """One run of the coordinator: its state, its round loop on a thread, its server.
     ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
-    ``run_dir`` defaults to ``cfg.run_dir``."""
+    ``run_dir`` defaults to ``cfg.run_dir``. A run dir holding a run needs ``resume=True``
+    (continue it), ``overwrite=True`` (replace what GeoLoCo wrote there) or
+    ``resume_or_start=True``; a folder with files GeoLoCo did not write is refused
+    (geoloco.run_dir; RunDirError, a ConfigError, before anything is written)."""
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path | None = None, resume: bool = False,
-                 crash_at: tuple[str, int] | None = None) -> None:
+                 crash_at: tuple[str, int] | None = None, overwrite: bool = False,
+                 resume_or_start: bool = False) -> None:
+        # geoloco.run_dir's rule, as for the CLI: checked before anything is built, claimed
+        # (the marker written, an overwrite's files removed) once the task and model build
+        plan = plan_run_dir(run_dir if run_dir is not None else cfg.run_dir, resume, overwrite,
+                            resume_or_start)
+        resume = plan.resume
         worker_tokens = _worker_tokens(cfg)
         # per-worker tokens replace the shared one, which is then not needed
         token = (cfg.coordinator.token or "") if worker_tokens else require_token(cfg)
         self.credentials = server_credentials(cfg.tls, cfg.coordinator.listen)
         self.cfg = cfg
-        self.run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
         check_data(cfg, task.fingerprint)
         model = task.make_model().to("cpu", torch.float32)
+        self.run_dir = claim_run_dir(plan, COORDINATOR_WRITES)
+        cfg.run_dir = str(self.run_dir)  # the folder it is (the default names a new one per run)
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
         outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
@@ -245,10 +258,10 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
         left = [p.name for p in (run_dir / CHECKPOINT_DIR, run_dir / METRICS_FILE,
                                  run_dir / REGISTRY_FILE) if p.exists()]
         if left:
-            raise ResumeError(f"--resume: no readable checkpoint in {run_dir / CHECKPOINT_DIR}, "
+            raise ResumeError(f"resume=True: no readable checkpoint in {run_dir / CHECKPOINT_DIR}, "
                               f"but the run dir holds a run ({', '.join(left)}); nothing was "
-                              "started. Restore a checkpoint, or start over with --overwrite")
-        log.info("--resume: %s holds no run yet; starting at round 0", run_dir)
+                              "started. Restore a checkpoint, or start over with overwrite=True")
+        log.info("resume: %s holds no checkpoint yet; starting at round 0", run_dir)
         return 0, RunTotals(), {}
     if ckpt.layout_digest != layout.digest:
         raise ValueError(
@@ -285,21 +298,23 @@ def coding_summary(code: GradientCode) -> dict[str, object]:
 
 
 def run_coordinator(cfg: RunConfig, run_dir: Path, resume: bool = False,
-                    overwrite: bool = False, crash_at: tuple[str, int] | None = None) -> int:
+                    overwrite: bool = False, crash_at: tuple[str, int] | None = None,
+                    resume_or_start: bool = False) -> int:
     """Serve until every round is done, or until Ctrl-C or SIGTERM: then stop the round
     loop (a round being applied is finished first), write the checkpoint of the open round
     and summary.json, exit 130; a second signal exits at once. Returns the exit code. A run
-    dir holding a previous run needs ``resume`` or ``overwrite`` (geoloco.run_dir;
-    ConfigError otherwise)."""
-    claim_run_dir(run_dir, resume, overwrite)
+    dir holding a previous run needs ``resume``, ``overwrite`` or ``resume_or_start``
+    (geoloco.run_dir; RunDirError otherwise)."""
+    plan = plan_run_dir(run_dir, resume, overwrite, resume_or_start)
     coordinator_threads()
-    if resume and run_is_done(cfg, Path(run_dir)):
+    if plan.resume and plan.path is not None and run_is_done(cfg, plan.path):
         return EXIT_OK
     with StopSignals() as signals:
         try:
-            coordinator = Coordinator(cfg, Path(run_dir), resume=resume, crash_at=crash_at)
+            coordinator = Coordinator(cfg, Path(run_dir), resume=resume, crash_at=crash_at,
+                                      overwrite=overwrite, resume_or_start=resume_or_start)
         except ResumeError as exc:
-            log.error("%s", exc)
+            log.error("%s", cli_wording(str(exc)))
             return EXIT_FAILED
         if signals.requested.is_set():
             return EXIT_INTERRUPTED

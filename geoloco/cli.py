@@ -82,7 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except ConfigError as exc:
-        print(f"geoloco: config error: {exc}", file=sys.stderr)
+        from geoloco.run_dir import RunDirError, cli_wording
+
+        message = cli_wording(str(exc)) if isinstance(exc, RunDirError) else str(exc)
+        print(f"geoloco: config error: {message}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 
 
@@ -113,11 +116,17 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _run_dir_flags(p: argparse.ArgumentParser) -> None:
-    """--resume and --overwrite: a run dir holding a previous run needs one of them."""
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --run-dir from its newest checkpoint")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the previous run in --run-dir (its checkpoints and metrics go)")
+    """--resume, --overwrite, --resume-or-start: a run dir holding a run needs one of them
+    (geoloco.run_dir: a run is a folder with GeoLoCo's geoloco-run.json)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir from its newest checkpoint (without "
+                       "--run-dir: the newest run, runs/latest); refused where there is no run")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace the run in --run-dir: only the files GeoLoCo wrote there go")
+    group.add_argument("--resume-or-start", action="store_true",
+                       help="continue the run in --run-dir if there is one, else start one there "
+                       "(for restarts by a scheduler, e.g. Kubernetes)")
 
 
 def _metrics_flags(p: argparse.ArgumentParser, host: bool = True) -> None:
@@ -157,7 +166,8 @@ def _add_local(sub: Any) -> None:
     p.add_argument("--workers", type=int, metavar="N", help="number of worker processes")
     p.add_argument("--rounds", type=int, metavar="R", help="outer rounds")
     p.add_argument("--wan", metavar="PROFILE", help="link profile of every worker, e.g. 20mbit/50ms")
-    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go")
+    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, logs and checkpoints go "
+                   "(the default runs/latest: a new runs/YYYYmmdd-HHMMSS each run, linked there)")
     _run_dir_flags(p)
     p.add_argument("--method", choices=("sparseloco", "diloco"), help="SparseLoCo or the dense DiLoCo baseline")
     p.add_argument("--model", help=MODEL_HELP)
@@ -360,7 +370,8 @@ def _run_local(args: argparse.Namespace) -> int:
     configure_logging(args.log_file, args.verbose)
     from geoloco.launch import run_local
 
-    result = run_local(cfg, stall_timeout_s=args.stall_timeout, resume=args.resume, overwrite=args.overwrite)
+    result = run_local(cfg, stall_timeout_s=args.stall_timeout, resume=args.resume,
+                       overwrite=args.overwrite, resume_or_start=args.resume_or_start)
     if result.exit_code == EXIT_INTERRUPTED:
         print(resume_hint(args.argv, result.run_dir), flush=True)
     return result.exit_code
@@ -368,7 +379,7 @@ def _run_local(args: argparse.Namespace) -> int:
 
 def resume_hint(argv: Sequence[str], run_dir: Path) -> str:
     """After a Ctrl-C: the same command on the same run dir with ``--resume``."""
-    args = [a for a in argv if a not in ("--resume", "--overwrite")]
+    args = [a for a in argv if a not in ("--resume", "--overwrite", "--resume-or-start")]
     if not any(a == "--run-dir" or a.startswith("--run-dir=") for a in args):
         args += ["--run-dir", str(run_dir)]
     return f"stopped; the run goes on from its last checkpoint with:\n  geoloco {shlex.join([*args, '--resume'])}"
@@ -384,7 +395,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         stage, _, round_ = args.crash_at.partition(":")
         crash_at = (stage, int(round_))
     return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume, overwrite=args.overwrite,
-                           crash_at=crash_at)
+                           crash_at=crash_at, resume_or_start=args.resume_or_start)
 
 
 def _run_worker(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
+DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
 AGGREGATIONS = ("mean", "mean_kept")
 OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
 AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
@@ -291,8 +292,9 @@ class RunConfig:
     workers: int = 4  # worker processes (each holds a slot and its partitions)
     rounds: int = 20  # outer rounds to train
     seed: int = 0  # the run seed: model initialisation and data order
-    # where config.json, metrics, logs and checkpoints go
-    run_dir: str = "runs/latest"
+    # where config.json, metrics, logs and checkpoints go; the default is a link: each new
+    # run makes runs/YYYYmmdd-HHMMSS and points runs/latest at it, a resume continues its target
+    run_dir: str = DEFAULT_RUN_DIR
     task: TaskConfig = field(default_factory=TaskConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)

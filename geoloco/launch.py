@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,19 +28,20 @@ from geoloco.progress import RunProgress, make_progress, number, size
 from geoloco.run_dir import (
     CERTS_DIR,
     CONFIG_FILE,
-    COORDINATOR_OUTPUTS,
+    LOCAL_WRITES,
     LOGS_DIR,
     METRICS_FILE,
     METRICS_PORT_FILE,
     PORT_FILE,
     SUMMARY_FILE,
-    WORKER_STATE_DIR,
     WORKERS_DIR,
     claim_run_dir,
+    plan_run_dir,
     worker_state_dir,
     write_atomic,
 )
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
+from geoloco.tasks import build_task
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,6 @@ STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 LOG_TAIL_LINES = 30
 COORDINATOR_STOP_S = 120.0  # a stopping coordinator writes its checkpoint and summary first
 EXIT_FAILED = 1
-# what `local` writes in the run dir beside the coordinator's files (--overwrite removes it)
-LOCAL_OUTPUTS = (*COORDINATOR_OUTPUTS, LOGS_DIR, WORKERS_DIR, WORKER_STATE_DIR, CERTS_DIR, CONFIG_FILE)
 
 
 class LaunchError(RuntimeError):
@@ -128,21 +126,25 @@ def as_config(config: RunConfig | Mapping[str, Any] | str | Path) -> RunConfig:
 
 def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
               stall_timeout_s: float | None = None, progress: RunProgress | None = None,
-              resume: bool = False, overwrite: bool = False) -> RunResult:
+              resume: bool = False, overwrite: bool = False,
+              resume_or_start: bool = False) -> RunResult:
     """Run a whole training job locally: the coordinator and ``workers`` worker processes
     on loopback; returns the RunResult once every process has ended. ``progress`` shows
-    it (default: monitoring.progress on stdout). A run dir holding a previous run needs
-    ``resume`` (continue it) or ``overwrite`` (replace it): geoloco.run_dir's rule, checked
-    before anything starts (ConfigError)."""
+    it (default: monitoring.progress on stdout). A run dir holding a run needs ``resume``
+    (continue it), ``overwrite`` (replace what GeoLoCo wrote there) or ``resume_or_start``;
+    geoloco.run_dir's rule. The rule and the task (model, data) are checked before anything
+    is written: a ConfigError (a RunDirError, a TaskError) leaves the run dir as it was."""
     cfg = as_config(config)
-    claim_run_dir(cfg.run_dir, resume, overwrite, LOCAL_OUTPUTS)
-    run = LocalRun(cfg, stall_timeout_s, progress, resume)
-    done = checkpoint.latest_round(run.run_dir) if resume else None
+    plan = plan_run_dir(cfg.run_dir, resume, overwrite, resume_or_start)
+    done = checkpoint.latest_round(plan.path) if plan.resume and plan.path else None
     if done is not None and done >= cfg.rounds:  # the coordinator would say so and exit at once
-        run.progress.close()
-        print(f"all {cfg.rounds} rounds of the run in {run.run_dir} are done (checkpoint of "
+        print(f"all {cfg.rounds} rounds of the run in {plan.path} are done (checkpoint of "
               f"round {done}): nothing to resume; raise `rounds` to train on", flush=True)
-        return RunResult(0, run.run_dir, run.read_summary())
+        summary = plan.path / SUMMARY_FILE
+        return RunResult(0, plan.path, json.loads(summary.read_text()) if summary.exists() else {})
+    check_task(cfg)
+    cfg.run_dir = str(claim_run_dir(plan, LOCAL_WRITES))
+    run = LocalRun(cfg, stall_timeout_s, progress, plan.resume)
     # The children ignore SIGINT (they inherit it ignored): a Ctrl-C on the terminal reaches
     # the whole process group, and only this launcher acts on it, with one SIGTERM each.
     with StopSignals(on_force=run.kill, keep_ignored=False) as signals:
@@ -164,6 +166,13 @@ def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
     if code == EXIT_FAILED:
         return RunResult(code, run.run_dir, run.read_summary(), error)
     return RunResult(code, run.run_dir, run.report(), error)
+
+
+def check_task(cfg: RunConfig) -> None:
+    """Build the task and its model as the coordinator will, so that a missing model file,
+    too little data or a vocabulary or seq_len that does not fit is one TaskError (exit 2)
+    here, before the run dir is touched, and not a coordinator process that dies."""
+    build_task(cfg.task, cfg.workers, seed=cfg.seed).make_model()
 
 
 class LocalRun:
@@ -191,6 +200,7 @@ class LocalRun:
 
     def start(self) -> None:
         self._prepare_dir()
+        self.progress.phase(f"run dir {self.run_dir}")
         self.progress.phase("starting the coordinator (task and model)")
         self._start_warmup()
         port = self._start_coordinator()
@@ -241,10 +251,8 @@ class LocalRun:
     def _prepare_dir(self) -> None:
         """Create the run dir's folders and the run's credentials (mutual TLS on every
         connection, as in a deployment); a resumed run keeps its certificates (the
-        coordinator knows the workers by them), and only the previous processes' join
-        reports and port files go."""
-        if not self.resume:
-            shutil.rmtree(self.certs, ignore_errors=True)
+        coordinator knows the workers by them; a new or overwritten run has none), and only
+        the previous processes' join reports and port files go."""
         for name in (PORT_FILE, METRICS_PORT_FILE):
             (self.run_dir / name).unlink(missing_ok=True)
         for stale in (self.run_dir / WORKERS_DIR).glob("*"):
@@ -262,7 +270,9 @@ class LocalRun:
     def _start_coordinator(self) -> int:
         args = ["coordinator", "--config", str(self.run_dir / CONFIG_FILE),
                 "--listen", "127.0.0.1:0", "--run-dir", str(self.run_dir),
-                "--resume" if self.resume else "--overwrite",  # run_local checked the run dir
+                # run_local claimed the run dir: the coordinator continues what is there, a
+                # checkpoint when resuming, round 0 in a new or overwritten run
+                "--resume",
                 "--token-file", str(self.certs / certs.TOKEN_FILE),
                 "--tls-ca", str(self.certs / certs.CA_CERT),
                 "--tls-cert", str(self.certs / certs.COORDINATOR_CERT),

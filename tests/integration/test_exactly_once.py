@@ -20,6 +20,7 @@ from run_processes import (
 )
 
 from geoloco.coordinator import checkpoint
+from geoloco.run_dir import claim_run_dir, plan_run_dir
 
 pytestmark = pytest.mark.slow
 WORKERS = 2
@@ -63,7 +64,7 @@ def test_killed_before_the_first_checkpoint_resumes_and_every_round_is_recorded_
 
 
 def test_resume_without_a_readable_checkpoint_refuses_to_start(processes: Processes, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
+    run_dir = claim_run_dir(plan_run_dir(tmp_path / "run"))  # a GeoLoCo run, then damaged
     damaged = run_dir / "checkpoints" / "round_00000002"
     damaged.mkdir(parents=True)
     (damaged / "state.pt").write_bytes(b"not a checkpoint")

@@ -1,6 +1,6 @@
 """Operator mistakes against real processes: a second coordinator on a busy port exits
-non-zero instead of sharing it (SO_REUSEPORT off), and re-running `geoloco local` on a
-run dir with a previous run refuses (exit 2) and leaves its files as they were."""
+non-zero instead of sharing it (SO_REUSEPORT off), and `geoloco local` on a folder with
+run files but no GeoLoCo marker refuses (exit 2) and leaves its files as they were."""
 
 from __future__ import annotations
 
@@ -33,6 +33,6 @@ def test_local_on_a_previous_run_refuses_and_keeps_its_files(processes: Processe
     (run_dir / "metrics.jsonl").write_text('{"round": 4}\n')
     processes.start("local", ["local", "--run-dir", str(run_dir), "--workers", "2"])
     assert processes.wait("local", timeout=60) == 2
-    assert "holds a previous run" in processes.log("local")
+    assert "holds metrics.jsonl, checkpoints but no geoloco-run.json" in processes.log("local")
     assert (run_dir / "metrics.jsonl").read_text() == '{"round": 4}\n'
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "metrics.jsonl"]
