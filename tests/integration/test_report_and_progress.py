@@ -126,9 +126,11 @@ def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, 
     assert all((out / p).stat().st_size > empty for p in pngs), empty
     for plot in ("loss-vs-time.png", "loss-vs-bytes.png"):
         for color in RUN_COLORS[:2]:  # a line of each run, not only its legend entry
-            # a legend entry alone is 40 pixels of its colour at FIGSIZE and DPI; a 2-point
-            # line (2.2 px at 80 dpi) across the 500-px-wide axes is about 1,100
-            assert _pixels_of(out / plot, color) > 250, (plot, color)
+            # a legend entry alone is 40 pixels of its colour at FIGSIZE and DPI. A run's
+            # line spans only its own share of the axes: on loss-vs-bytes (log x) each run's 3
+            # points (cumulative bytes, 1x to 3x) cover half a decade of the ~3 the two runs
+            # span; DiLoCo's drew 186 pixels once. Over 3 legend entries is a drawn line.
+            assert _pixels_of(out / plot, color) > 3 * 40, (plot, color)
     text = (out / "report.md").read_text()
     assert "| sparseloco | sparseloco | 3 |" in text and "| diloco | diloco | 3 |" in text
     for p in pngs:
