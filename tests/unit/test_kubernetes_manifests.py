@@ -1,5 +1,6 @@
 """deploy/kubernetes without a cluster: each region overlay is resolved by a small loader
-(resources, secretGenerator, namespace, JSON patches; `kubectl kustomize` must agree where
+(resources, configMap and secret generators, images, namespace, JSON patches; `kubectl
+kustomize` must agree where
 kubectl exists), every object round-trips through the `kubernetes` client's models, and the
 cross-references hold: selectors match labels, referenced Secrets, keys, ConfigMaps and PVCs
 exist, ports agree with the run config, images and commands are the project's own."""
@@ -7,6 +8,7 @@ exist, ports agree with the run config, images and commands are the project's ow
 from __future__ import annotations
 
 import copy
+import math
 import shlex
 import shutil
 import subprocess
@@ -26,9 +28,9 @@ from geoloco.transport import parse_address
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("region-a", "region-b")
-KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "secretGenerator", "generatorOptions",
-                      "namespace", "patches"}
-IMAGE_REPOSITORY = "ghcr.io/geoloco/geoloco"
+KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "configMapGenerator", "secretGenerator",
+                      "generatorOptions", "images", "namespace", "patches"}
+IMAGE_REPOSITORY = "ghcr.io/geoloco/geoloco"  # the manifests' name; each overlay's `images` renames it
 
 
 def build(path: Path) -> list[dict[str, Any]]:
@@ -39,11 +41,19 @@ def build(path: Path) -> list[dict[str, Any]]:
     for resource in k.get("resources", []):
         target = path / resource
         objects += build(target) if target.is_dir() else [d for d in yaml.safe_load_all(target.read_text()) if d]
-    assert k.get("generatorOptions", {}).get("disableNameSuffixHash", False) or not k.get("secretGenerator")
+    assert k.get("generatorOptions", {}).get("disableNameSuffixHash", False) or not (
+        k.get("secretGenerator") or k.get("configMapGenerator"))
+    for gen in k.get("configMapGenerator", []):
+        assert set(gen) <= {"name", "files", "options"} and set(gen.get("options", {})) <= {"labels"}, gen
+        data = {Path(f).name: (path / f).read_text() for f in gen["files"]}
+        metadata = {"name": gen["name"], **({"labels": gen["options"]["labels"]} if "options" in gen else {})}
+        objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data})
     for gen in k.get("secretGenerator", []):
         keys = {Path(f).name: "" for f in gen["files"]}
         objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]},
                         "type": "Opaque", "data": keys})
+    for image in k.get("images", []):
+        rename_image(objects, image)
     for patch in k.get("patches", []):
         matches = [o for o in objects if o["kind"] == patch["target"]["kind"]
                    and o["metadata"]["name"] == patch["target"]["name"]]
@@ -54,6 +64,19 @@ def build(path: Path) -> list[dict[str, Any]]:
         for o in objects:
             o["metadata"]["namespace"] = k["namespace"]
     return objects
+
+
+def rename_image(objects: list[dict[str, Any]], image: dict[str, str]) -> None:
+    """kustomize's `images` entry: containers whose image is `name[:tag]` get `newName`
+    (and `newTag` when given)."""
+    assert set(image) <= {"name", "newName", "newTag"}, image
+    for o in objects:
+        spec = o.get("spec", {}).get("template", {}).get("spec", {})
+        for c in spec.get("containers", []) + spec.get("initContainers", []):
+            name, _, tag = c["image"].rpartition(":") if ":" in c["image"].rsplit("/", 1)[-1] else (c["image"], "", "")
+            if name == image["name"]:
+                tag = image.get("newTag", tag)
+                c["image"] = image.get("newName", name) + (f":{tag}" if tag else "")
 
 
 def json_patch(obj: dict[str, Any], op: dict[str, Any]) -> None:
@@ -112,9 +135,12 @@ def test_selectors_match_the_labels_they_select(overlay) -> None:
 
 def test_referenced_secrets_configmaps_and_claims_exist(overlay) -> None:
     objects = overlay[1]
-    for _, template in pod_specs(objects):
+    for owner, template in pod_specs(objects):
         spec = template["spec"]
         volumes = {v["name"]: v for v in spec["volumes"]}
+        claims = {c["metadata"]["name"]: c for c in owner.get("spec", {}).get("volumeClaimTemplates", [])}
+        assert not volumes.keys() & claims.keys(), owner["metadata"]["name"]
+        volumes |= {name: {"volumeClaimTemplate": c} for name, c in claims.items()}
         for v in volumes.values():
             if "secret" in v:
                 named(objects, "Secret", v["secret"]["secretName"])
@@ -139,13 +165,29 @@ def container(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return c
 
 
+def cpus(quantity: str) -> float:
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def env_value(c: dict[str, Any], env: dict[str, Any]) -> str:
+    """What the kubelet gives an env var: its value, a Secret's stand-in, or the container's
+    own CPU request in whole CPUs (a resourceFieldRef, rounded up as the kubelet does)."""
+    if "value" in env:
+        return env["value"]
+    ref = env["valueFrom"].get("resourceFieldRef")
+    if ref is None:
+        return "secret-value"
+    assert ref["containerName"] == c["name"] and ref["resource"] == "requests.cpu", ref
+    return str(math.ceil(cpus(c["resources"]["requests"]["cpu"]) / cpus(ref.get("divisor", "1"))))
+
+
 def mounted_config(objects: list[dict[str, Any]], kind: str) -> tuple[list[str], RunConfig]:
     """The container's CLI arguments ($(VAR) filled in from its env) and the run config of
     its --config file, read from the ConfigMap mounted there."""
     (obj,) = by_kind(objects, kind)
     spec = obj["spec"]["template"]["spec"]
     c = container(objects, kind)
-    env = {e["name"]: e.get("value", "secret-value") for e in c.get("env", [])}
+    env = {e["name"]: env_value(c, e) for e in c.get("env", [])}
     args = [next((a.replace(f"$({k})", v) for k, v in env.items() if f"$({k})" in a), a) for a in c["args"]]
     path = args[args.index("--config") + 1]
     mount = next(m for m in c["volumeMounts"] if m["mountPath"] == path)
@@ -155,14 +197,16 @@ def mounted_config(objects: list[dict[str, Any]], kind: str) -> tuple[list[str],
 
 
 def test_images_and_commands_are_the_projects_own(overlay) -> None:
-    objects = overlay[1]
+    name, objects = overlay
+    renamed = yaml.safe_load((KUBE / "overlays" / name / "kustomization.yaml").read_text()).get("images", [])
+    expected = next((i["newName"] for i in renamed if i["name"] == IMAGE_REPOSITORY), IMAGE_REPOSITORY)
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     for kind, role in (("Deployment", "coordinator"), ("StatefulSet", "worker")):
         if not by_kind(objects, kind):
             continue
         c = container(objects, kind)
         repository, tag = c["image"].rsplit(":", 1)
-        assert repository == IMAGE_REPOSITORY and tag.startswith(__version__), c["image"]
+        assert repository == expected and tag.startswith(__version__), c["image"]
         assert c["command"] == ["geoloco"] and "geoloco" in scripts
         args, _ = mounted_config(objects, kind)
         parsed = build_parser().parse_args(args)  # exits on a flag the CLI does not have
@@ -256,7 +300,8 @@ def test_connections_are_tls_and_the_token_is_a_mounted_file(overlay) -> None:
     """No plaintext, no token on a command line or in the environment; the Secret's files
     are readable by the pod's own group and nobody else."""
     objects = overlay[1]
-    wants = {"Deployment": ("--token-file", "--tls-cert", "--tls-key"), "StatefulSet": ("--token-file", "--tls-ca")}
+    wants = {"Deployment": ("--token-file", "--tls-cert", "--tls-key", "--tls-ca"),  # --tls-ca: mutual TLS
+             "StatefulSet": ("--token-file", "--tls-ca", "--tls-cert", "--tls-key")}
     for kind, flags in wants.items():
         if not by_kind(objects, kind):
             continue
@@ -270,5 +315,20 @@ def test_connections_are_tls_and_the_token_is_a_mounted_file(overlay) -> None:
         context = by_kind(objects, kind)[0]["spec"]["template"]["spec"]["securityContext"]
         assert context["fsGroup"] == context["runAsGroup"] and context["runAsNonRoot"]
         probe = c.get("readinessProbe", {}).get("exec", {}).get("command")
-        if probe:
-            secret_file(objects, kind, probe[probe.index("--tls-ca") + 1])
+        if probe:  # under mutual TLS the probe presents a certificate too
+            for flag in ("--tls-ca", "--tls-cert", "--tls-key"):
+                secret_file(objects, kind, probe[probe.index(flag) + 1])
+
+
+def test_a_worker_uses_the_cpus_it_requests_and_keeps_its_state_on_its_own_volume(overlay) -> None:
+    """--threads is the pod's CPU request (not the CLI's default of 1), and --state-dir is a
+    per-pod volume claim, so a replaced pod gets its id and local state back."""
+    objects = overlay[1]
+    (sts,) = by_kind(objects, "StatefulSet")
+    worker = container(objects, "StatefulSet")
+    args, _ = mounted_config(objects, "StatefulSet")
+    parsed = build_parser().parse_args(args)
+    assert parsed.threads == math.ceil(cpus(worker["resources"]["requests"]["cpu"])) > 1
+    mount = next(m for m in worker["volumeMounts"] if m["mountPath"] == parsed.state_dir)
+    (claim,) = [c for c in sts["spec"]["volumeClaimTemplates"] if c["metadata"]["name"] == mount["name"]]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and not mount.get("readOnly")
