@@ -92,7 +92,8 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
              val_every_round: bool = False, val_tail: int = VAL_TAIL) -> Result:
     """Train ``cfg`` for cfg.rounds rounds; ``code`` overrides the one cfg.coding names;
     the validation loss is scored after each of the last ``val_tail`` rounds. One torch thread, as each process of ``geoloco local`` has (more threads change the
-    rounding of the inner loop)."""
+    rounding of the inner loop). There is no frame guard (coordinator.bounds): no frame is
+    clipped or rejected, as in a run whose guard never fires."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
