@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from geoloco import transport
 from geoloco.certs import WorkerTokensError, load_worker_tokens
 from geoloco.compression import Layout, on_huge_pages, set_codec_threads
-from geoloco.config import ConfigError, RunConfig, require_token
+from geoloco.config import ConfigError, RunConfig, require_token, resolve_token
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER, UNAUTHENTICATED_AT_ONCE
@@ -68,7 +69,9 @@ class ResumeError(RuntimeError):
 class Coordinator:
     """One run of the coordinator: its state, its round loop on a thread, its server.
     ``start()`` serves (returns the port), ``wait()`` for the run to end, ``stop()``;
-    ``run_dir`` defaults to ``cfg.run_dir``. A run dir holding a run needs ``resume=True``
+    ``run_dir`` defaults to ``cfg.run_dir``; the run token is ``cfg.coordinator.token``, else
+    read as ``geoloco coordinator`` reads it (``coordinator.token_file``, else
+    $GEOLOCO_TOKEN). It logs through ``logging`` (``geoloco.*`` loggers). A run dir holding a run needs ``resume=True``
     (continue it), ``overwrite=True`` (replace what GeoLoCo wrote there) or
     ``resume_or_start=True``; a folder with files GeoLoCo did not write is refused
     (geoloco.run_dir; RunDirError, a ConfigError, before anything is written)."""
@@ -81,6 +84,8 @@ class Coordinator:
         plan = plan_run_dir(run_dir if run_dir is not None else cfg.run_dir, resume, overwrite,
                             resume_or_start)
         resume = plan.resume
+        if not cfg.coordinator.token:  # as the CLI: coordinator.token_file, else $GEOLOCO_TOKEN
+            resolve_token(cfg, os.environ)
         worker_tokens = _worker_tokens(cfg)
         # per-worker tokens replace the shared one, which is then not needed
         token = (cfg.coordinator.token or "") if worker_tokens else require_token(cfg)

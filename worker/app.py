@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from geoloco.compression import set_codec_threads
-from geoloco.config import TlsConfig
+from geoloco.config import TOKEN_ENV, ConfigError, TlsConfig
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
@@ -92,11 +93,16 @@ class WorkerThread:
     run to finish or ``stop()`` it; ``exit_code`` as ``geoloco worker`` would exit (and
     ``error``, the exception that failed it). ``inner_step`` replaces the inner training step
     (geoloco.worker.trainer.InnerStep). ``tls``: as ``geoloco worker``'s (TLS unless the
-    coordinator is on loopback or ``tls.insecure``)."""
+    coordinator is on loopback or ``tls.insecure``). ``token``: the run's token, else
+    $GEOLOCO_TOKEN."""
 
-    def __init__(self, coordinator: str, token: str, device: str = "auto", precision: str = "auto",
-                 connect_timeout_s: float = 60.0, report_dir: str | Path | None = None,
-                 inner_step: InnerStep | None = None, tls: TlsConfig | None = None) -> None:
+    def __init__(self, coordinator: str, token: str | None = None, device: str = "auto",
+                 precision: str = "auto", connect_timeout_s: float = 60.0,
+                 report_dir: str | Path | None = None, inner_step: InnerStep | None = None,
+                 tls: TlsConfig | None = None) -> None:
+        token = token or os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise ConfigError(f"no run token: pass token= or set {TOKEN_ENV}")
         self.session = Session(coordinator, token, connect_timeout_s,
                                security=channel_security(tls or TlsConfig(), coordinator))
         self.worker = Worker(self.session, device, Path(report_dir) if report_dir else None,

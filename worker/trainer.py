@@ -152,10 +152,16 @@ class InnerTrainer:
             loss = self.task.loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if self.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainable, self.inner.grad_clip)
+        self.clip_gradients()
         self.optimizer.step()
         return float(loss.item())
+
+    def clip_gradients(self) -> None:
+        """Clip the trainable parameters' gradient norm to ``inner.grad_clip`` (0: no
+        clipping), as the default step does between backward and the optimizer step; an
+        ``inner_step`` of one's own calls it there too to keep the run's clipping."""
+        if self.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.trainable, self.inner.grad_clip)
 
     def _deltas(self, theta: list[Tensor]) -> list[Tensor]:
         """Δ = start − end in fp32, the start being θ as the model held it (θ itself for fp32

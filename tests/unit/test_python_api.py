@@ -101,3 +101,31 @@ def test_export_of_a_run_dir_without_checkpoints_is_an_error(tmp_path: Path, cap
     (tmp_path / checkpoint.CHECKPOINT_DIR).mkdir()
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 1
     assert "has no readable checkpoint" in capsys.readouterr().err
+
+
+def test_the_api_takes_the_token_from_the_environment_as_the_cli_does(tmp_path: Path, monkeypatch) -> None:
+    """No token in the config: GEOLOCO_TOKEN is the run's token for a Coordinator and a Worker
+    (the README's snippet), and without it both refuse with a message naming it."""
+    def tokenless(run_dir: Path) -> geoloco.RunConfig:
+        cfg = config(run_dir)
+        cfg.coordinator.token = None
+        return cfg
+
+    monkeypatch.delenv("GEOLOCO_TOKEN", raising=False)
+    with pytest.raises(geoloco.ConfigError, match="GEOLOCO_TOKEN"):
+        geoloco.Coordinator(tokenless(tmp_path / "none"))
+    with pytest.raises(geoloco.ConfigError, match="GEOLOCO_TOKEN"):
+        geoloco.Worker("127.0.0.1:1")
+    assert not (tmp_path / "none").exists()  # refused before anything was written
+
+    monkeypatch.setenv("GEOLOCO_TOKEN", "from-the-environment")
+    coordinator = geoloco.Coordinator(tokenless(tmp_path / "run"))
+    port = coordinator.start()
+    workers = [geoloco.Worker(f"127.0.0.1:{port}", device="cpu").start() for _ in range(2)]
+    try:
+        assert coordinator.wait(WAIT_S) and all(w.wait(WAIT_S) for w in workers)
+    finally:
+        for w in workers:
+            w.stop()
+        coordinator.stop(grace=0.5)
+    assert [w.exit_code for w in workers] == [0, 0] and not coordinator.failed
