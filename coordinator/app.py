@@ -281,7 +281,8 @@ def _restore(run_dir: Path, layout: Layout, params: list[Tensor], outer: OuterOp
     if (run_dir / REGISTRY_FILE).exists():
         registry.load_dict(json.loads((run_dir / REGISTRY_FILE).read_text()))
     dropped = MetricsWriter(run_dir).drop_rounds_from(ckpt.round)
-    log.info("resumed from checkpoint at round %d (digest %s)%s", ckpt.round, param_digest(params),
+    log.info("resumed from the checkpoint %s (digest %s)%s", checkpoint.starts(ckpt.round),
+             param_digest(params),
              f"; {dropped} metrics lines of the rounds redone dropped" if dropped else "")
     return ckpt.round, RunTotals(**ckpt.totals), ckpt.guard_norms
 
@@ -351,13 +352,14 @@ def run_is_done(cfg: RunConfig, run_dir: Path) -> bool:
     done = checkpoint.latest_round(run_dir)
     if done is None or done < cfg.rounds:
         return False
-    log.info("--resume: all %d rounds of the run in %s are done (checkpoint of round %d); "
-             "nothing to do. Raise `rounds` to train on", cfg.rounds, run_dir, done)
+    log.info("--resume: all %d rounds of the run in %s are done (its checkpoint: rounds 0-%d); "
+             "nothing to do. Raise `rounds` to train on", cfg.rounds, run_dir, done - 1)
     return True
 
 
 def _stop_and_checkpoint(coordinator: Coordinator, reason: str | None) -> int:
-    log.warning("%s: checkpointing round %d and stopping", reason, coordinator.open_round())
+    log.warning("%s: checkpointing the model before round %d (a resume runs it) and stopping", reason,
+                coordinator.open_round())
     coordinator.stop()
     coordinator.loop.save_final()
     return EXIT_INTERRUPTED

@@ -112,7 +112,7 @@ def save(run_dir: Path, ckpt: Checkpoint) -> Path:
         _replace_folder(tmp, path)
     except Exception as exc:  # noqa: BLE001 - torch and safetensors wrap the OSError
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"checkpoint of round {ckpt.round} not written to {path}: "
+        raise CheckpointWriteError(f"checkpoint before round {ckpt.round} not written to {path}: "
                                    f"{_reason(exc)}") from None
     _prune(path.parent)
     return path
@@ -195,6 +195,13 @@ def load(path: Path) -> Checkpoint:
         return Checkpoint.from_dict(torch.load(path, map_location="cpu", weights_only=True))
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     return Checkpoint.from_dict(state, load_file(str(path / WEIGHTS_FILE)))
+
+
+def starts(next_round: int) -> str:
+    """What a checkpoint named ``round_N`` holds, in words: the model before round N, the
+    round a resume runs first (rounds are numbered from 0 everywhere; docs/protocol.md)."""
+    done = "no round done yet" if next_round == 0 else f"rounds 0-{next_round - 1} done"
+    return f"before round {next_round}; {done}"
 
 
 def latest_round(run_dir: Path) -> int | None:

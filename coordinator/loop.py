@@ -257,7 +257,7 @@ class RoundLoop:
                                      files=self.model_files, guard_norms=dict(self.bounds.recent))
         path = checkpoint.save(self.run_dir, ckpt)
         roundlog.prune(self.run_dir, next_round)
-        log.info("checkpoint %s (round %d)", path, next_round)
+        log.info("checkpoint %s (%s)", path, checkpoint.starts(next_round))
         return path
 
     def finish(self) -> None:

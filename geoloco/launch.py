@@ -138,8 +138,8 @@ def run_local(config: RunConfig | Mapping[str, Any] | str | Path,
     plan = plan_run_dir(cfg.run_dir, resume, overwrite, resume_or_start)
     done = checkpoint.latest_round(plan.path) if plan.resume and plan.path else None
     if done is not None and done >= cfg.rounds:  # the coordinator would say so and exit at once
-        print(f"all {cfg.rounds} rounds of the run in {plan.path} are done (checkpoint of "
-              f"round {done}): nothing to resume; raise `rounds` to train on", flush=True)
+        print(f"all {cfg.rounds} rounds of the run in {plan.path} are done (its checkpoint: "
+              f"rounds 0-{done - 1}): nothing to resume; raise `rounds` to train on", flush=True)
         summary = plan.path / SUMMARY_FILE
         return RunResult(0, plan.path, json.loads(summary.read_text()) if summary.exists() else {})
     check_task(cfg)
@@ -215,8 +215,8 @@ class LocalRun:
         for i in range(self.cfg.workers):
             self._admit(i)
         self.progress.phase(f"{self.cfg.workers} workers joined, {self._links()}")
-        # 1-based, as the round lines; a resumed run goes on after the last round it showed
-        self.progress.phase(f"round {self.last_shown + 2} running: the workers "
+        # numbered from 0, as everywhere; a resumed run goes on after the last round it showed
+        self.progress.phase(f"round {self.last_shown + 1} running: the workers "
                             f"{'restore their state' if self.resume else 'build the model'} and train")
 
     def _start_warmup(self) -> None:

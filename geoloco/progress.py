@@ -114,10 +114,12 @@ class RoundClock:
 
 
 def round_line(m: dict[str, Any], rounds: int, elapsed: float, eta: float | None) -> str:
-    """``round 12/20  val 5.4321  train 5.4444  up 12.3 kB  3.2 s  1:23 eta 0:45``: at most
-    80 columns for runs up to 10^6 rounds and 99 hours."""
-    width = len(str(rounds))
-    return (f"round {m['round'] + 1:>{width}}/{rounds}  val {number(m.get('val_loss'), '.4f')}  "
+    """``round 12/19  val 5.4321  train 5.4444  up 12.3 kB  3.2 s  1:23 eta 0:45``: round 12
+    of rounds 0-19 (rounds are numbered from 0 everywhere, as in the logs, metrics.jsonl and
+    the report; docs/protocol.md); at most 80 columns for runs up to 10^6 rounds and 99 hours."""
+    last = rounds - 1
+    width = len(str(last))
+    return (f"round {m['round']:>{width}}/{last}  val {number(m.get('val_loss'), '.4f')}  "
             f"train {number(m.get('train_loss'), '.4f')}  up {size(m.get('upload_bytes_per_worker'))}  "
             f"{number(m.get('round_seconds'), '.1f')} s  {clock(elapsed)} eta {clock(eta)}")
 

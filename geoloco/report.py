@@ -110,14 +110,14 @@ def _pyplot() -> Any:
 
 def plot_loss(plt: Any, runs: list[Run], path: Path, against: str) -> Path:
     """Validation loss (solid) and mean train loss (dotted) of every run, against the
-    elapsed wall time or the bytes each worker sent."""
+    elapsed wall time or the bytes each worker sent (loss_series); the start-up is a thin
+    dashed line."""
     fig, ax = plt.subplots(figsize=FIGSIZE)
     for run, color in zip(runs, RUN_COLORS * len(runs), strict=False):
-        x = run.elapsed if against == "time" else run.bytes_sent
         for key, style, label in (("val_loss", "-", "val"), ("train_loss", ":", "train")):
-            points = [(xi, m[key]) for xi, m in zip(x, run.rounds, strict=True) if m.get(key) is not None]
-            if key == "val_loss" and against == "time" and run.summary.get("initial_val_loss") is not None:
-                points.insert(0, (0.0, run.summary["initial_val_loss"]))  # before round 0
+            start_up, points = loss_series(run, key, against)
+            if start_up:
+                ax.plot(*zip(*start_up, strict=True), "--", color=color, linewidth=0.8)
             if points:
                 name = run.name if run.method in run.name else f"{run.name} ({run.method})"
                 ax.plot(*zip(*points, strict=True), style, color=color, linewidth=2,
@@ -131,6 +131,21 @@ def plot_loss(plt: Any, runs: list[Run], path: Path, against: str) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(plt, fig, path)
+
+
+def loss_series(run: Run, key: str, against: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(start-up, training) points of ``key`` against ``time`` or ``bytes``. Against time, a
+    run from round 0 starts its validation line at round 0's opening with the initial loss,
+    and the start-up (the model built, the workers joined) is that loss held flat from the
+    run's start: a straight line from the start to round 0's close would draw the start-up
+    as slow training."""
+    x = run.elapsed if against == "time" else run.bytes_sent
+    points = [(xi, m[key]) for xi, m in zip(x, run.rounds, strict=True) if m.get(key) is not None]
+    initial = run.summary.get("initial_val_loss")
+    if key != "val_loss" or against != "time" or initial is None or run.rounds[0]["round"] != 0:
+        return [], points
+    opened = max(0.0, x[0] - (run.rounds[0].get("round_seconds") or 0.0))
+    return [(0.0, initial), (opened, initial)], [(opened, initial), *points]
 
 
 def plot_timeline(plt: Any, run: Run, path: Path) -> Path:
@@ -198,6 +213,10 @@ def plot_round_time(plt: Any, run: Run, path: Path) -> Path:
 
 
 def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    if xlabel == "round":  # whole rounds, numbered from 0 as in metrics.jsonl
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

@@ -43,7 +43,7 @@ def error_lines(log: str) -> list[str]:
 
 
 # what the coordinator logs once a checkpoint is written, or once a failed one is cleaned up
-CHECKPOINT_DONE = re.compile(r"checkpoint \S+ \(round (\d+)\)|checkpoint of round (\d+) not written")
+CHECKPOINT_DONE = re.compile(r"checkpoint \S+ \(before round (\d+);|checkpoint before round (\d+) not written")
 
 
 def last_checkpoint_done(log: str) -> int:

@@ -62,10 +62,10 @@ def test_local_run_prints_its_phases_and_a_line_per_round_in_80_columns(sparselo
     _, stdout = sparseloco_run
     lines = stdout.splitlines()
     for phase in ("starting the coordinator", "coordinator up on 127.0.0.1:", "2 workers joined",
-                  "round 1 running"):
+                  "round 0 running"):
         assert any(phase in line for line in lines), f"no {phase!r} in:\n{stdout}"
     rounds = [line for line in lines if line.startswith("round ") and "/" in line.split()[1]]
-    assert [line.split()[1] for line in rounds] == [f"{r}/{ROUNDS}" for r in range(1, ROUNDS + 1)]
+    assert [line.split()[1] for line in rounds] == [f"{r}/{ROUNDS - 1}" for r in range(ROUNDS)]  # from 0
     assert all(" eta " in line and "val " in line for line in rounds)
     shown = lines[:next(i for i, line in enumerate(lines) if line.startswith("summary of"))]
     assert max(len(line) for line in shown) <= 80, max(shown, key=len)

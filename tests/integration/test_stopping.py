@@ -61,7 +61,7 @@ def test_one_ctrl_c_checkpoints_and_local_resume_finishes_the_run(processes: Pro
     done = len(metrics(run_dir))
     newest = checkpoint.list_checkpoints(run_dir)[-1]
     assert checkpoint.load(newest).round == done  # the stop checkpointed the open round
-    assert "checkpointing round" in (run_dir / "logs" / "coordinator.log").read_text()
+    assert "checkpointing the model before round" in (run_dir / "logs" / "coordinator.log").read_text()
     assert f"summary of {run_dir}" in processes.log("local")
 
     processes.start("resumed", local_args(run_dir, "--resume"))
@@ -72,7 +72,7 @@ def test_one_ctrl_c_checkpoints_and_local_resume_finishes_the_run(processes: Pro
     reports = worker_reports(run_dir / "workers")
     assert sorted(reports) == [0, 1]
     assert all(r["status"] == "finished" and r["digest"] == digest for r in reports.values())
-    assert "resumed from checkpoint at round" in (run_dir / "logs" / "coordinator.log").read_text()
+    assert "resumed from the checkpoint before round" in (run_dir / "logs" / "coordinator.log").read_text()
 
 
 def child_pid(parent: int, role: str) -> int:
@@ -107,7 +107,7 @@ def test_a_second_ctrl_c_forces_the_stop_and_leaves_no_process(processes: Proces
     assert "SIGINT again: stopping now" in log, log[-3000:]
     # what only the forced stop does: no wait for the coordinator, no summary, no checkpoint
     assert "did not stop within" not in log and f"summary of {run_dir}" not in log, log[-3000:]
-    assert "checkpointing round" not in (run_dir / "logs" / "coordinator.log").read_text()
+    assert "checkpointing the model before round" not in (run_dir / "logs" / "coordinator.log").read_text()
     assert [checkpoint.load(p).round for p in checkpoint.list_checkpoints(run_dir)] == [0]
 
 
@@ -132,7 +132,7 @@ def test_sigterm_stops_a_coordinator_and_workers_run_directly(processes: Process
     assert processes.wait("coordinator", timeout=120) == 130
     log = processes.log("coordinator")
     done = len(metrics(run_dir))
-    assert f"SIGTERM: checkpointing round {done} and stopping" in log, log[-3000:]
+    assert f"SIGTERM: checkpointing the model before round {done} (a resume runs it) and stopping" in log, log[-3000:]
     assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1]).round == done
     assert (run_dir / "summary.json").exists()
     for name in ("coordinator", "worker-0", "worker-1"):
