@@ -49,7 +49,7 @@ def test_local_resume_restores_the_workers_error_feedback(processes: Processes, 
     processes.start("resumed", [*local, "--resume"])
     assert processes.wait("resumed", timeout=240) == 0, processes.log("resumed")[-3000:]
     resumed_at = re.search(r"round (\d+) running", processes.log("resumed"))
-    assert resumed_at and int(resumed_at.group(1)) >= 3, processes.log("resumed")[:2000]  # not "round 1"
+    assert resumed_at and int(resumed_at.group(1)) >= 2, processes.log("resumed")[:2000]  # not "round 0"
     for i in range(2):
         log = (run_dir / "logs" / f"worker-{i}.log").read_text()
         assert f"reclaiming worker {i}" in log
