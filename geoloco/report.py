@@ -189,7 +189,7 @@ def plot_bytes(plt: Any, run: Run, path: Path) -> Path:
            label="upload per worker")
     ax.plot(rounds, [m.get("download_bytes_per_worker") or 0 for m in run.rounds], "o-", color=RUN_COLORS[1],
             label="download per worker")
-    _label(ax, "round", "bytes", f"{run.name}: bytes per round")
+    _label_rounds(ax, "bytes", f"{run.name}: bytes per round")
     return _save(plt, fig, path)
 
 
@@ -208,16 +208,16 @@ def plot_round_time(plt: Any, run: Run, path: Path) -> Path:
             ax.set_ylim(0, 1.3 * longest)
             ax.text(0.01, 0.95, f"deadline {run.deadline_s:g} s (off the scale)",
                     transform=ax.transAxes, fontsize=8, va="top")
-    _label(ax, "round", "seconds", f"{run.name}: round time against its limit")
+    _label_rounds(ax, "seconds", f"{run.name}: round time against its limit")
     return _save(plt, fig, path)
 
 
-def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
-    if xlabel == "round":  # whole rounds, numbered from 0 as in metrics.jsonl
-        from matplotlib.ticker import MaxNLocator
+def _label_rounds(ax: Any, ylabel: str, title: str) -> None:
+    """Labels of a plot against the round: whole ticks, numbered from 0 as in metrics.jsonl."""
+    from matplotlib.ticker import MaxNLocator
 
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(xlabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)

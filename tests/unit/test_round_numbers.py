@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from geoloco.coordinator import checkpoint  # noqa: E402
 from geoloco.progress import round_line  # noqa: E402
-from geoloco.report import Run, _label, loss_series  # noqa: E402
+from geoloco.report import Run, _label_rounds, loss_series  # noqa: E402
 
 
 def line(r: int, rounds: int) -> str:
@@ -54,7 +54,7 @@ def test_the_start_up_is_drawn_flat_and_training_starts_at_round_0s_opening() ->
 def test_round_axes_tick_whole_rounds() -> None:
     fig, ax = plt.subplots()
     ax.plot([0, 1, 2], [1, 2, 3], label="x")
-    _label(ax, "round", "bytes", "t")
+    _label_rounds(ax, "bytes", "t")
     locator = ax.xaxis.get_major_locator()
     assert isinstance(locator, MaxNLocator)
     assert all(float(t).is_integer() for t in locator.tick_values(0, 2))
