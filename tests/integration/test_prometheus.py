@@ -148,6 +148,12 @@ def prometheus_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _rounds(prom) != float(ROUNDS):
             time.sleep(0.5)  # until a scrape after the last round is in
+        # query_range evaluates at start, start + step, ...: the last step must come after
+        # that scrape, or a series first set in a run shorter than a step (a worker's last
+        # frame) has no point in the range
+        last_scrape = _scraped_at(prom)
+        while time.time() < last_scrape + SCRAPE_S:
+            time.sleep(0.1)
         scraped = {"coordinator": get(f"http://127.0.0.1:{coordinator.metrics_server.port}/metrics").decode(),
                    **{f"worker-{i}": get(f"http://127.0.0.1:{e.port}/metrics").decode()
                       for i, e in enumerate(endpoints)}}
@@ -166,6 +172,12 @@ def prometheus_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
 def _rounds(prom: Prometheus) -> float | None:
     result = prom.query("query", query='geoloco_rounds_total{job="geoloco-coordinator"}')
     return float(result[0]["value"][1]) if result else None
+
+
+def _scraped_at(prom: Prometheus) -> float:
+    """The time of the coordinator's latest scrape Prometheus holds."""
+    result = prom.query("query", query='timestamp(geoloco_rounds_total{job="geoloco-coordinator"})')
+    return float(result[0]["value"][1])
 
 
 def dashboard_expressions() -> list[tuple[str, str]]:
