@@ -25,10 +25,12 @@ check: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest tests/unit -m "not slow" -q
 
-# everything: lint, unit, integration (real processes), Docker (skipped without an engine)
+# everything: lint, unit, integration (real processes), Docker (skipped without an engine),
+# spread over XDIST pytest-xdist workers (tests/conftest.py: an integration module stays in one)
+XDIST ?= 3
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(XDIST)
 
 # the flake hunt: the integration suite 3 times in a row with every core busy-looping
 test-stress: venv

@@ -17,7 +17,7 @@ report: one round's loss moves by more than the differences they look for.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,14 @@ from geoloco.compression import Layout, decode_frame
 from geoloco.config import RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.outer import apply_update, make_outer
-from geoloco.coordinator.rounds import Arrival, CodePolicy, Decision, worker_task
+from geoloco.coordinator.rounds import (
+    Arrival,
+    ClosePolicy,
+    Decision,
+    QuorumPolicy,
+    close_policy,
+    worker_task,
+)
 from geoloco.replica import param_digest
 from geoloco.tasks import build_task
 from geoloco.worker.encoder import FrameEncoder
@@ -79,8 +86,15 @@ class SimWorker:
     deltas: LatestDeltas = field(default_factory=LatestDeltas)
 
 
-def close(policy: CodePolicy, order: list[int]) -> Decision:
-    """The decision at the first arrival that makes the set decodable."""
+def close(policy: ClosePolicy, order: list[int], late: Iterable[int] = ()) -> Decision:
+    """The decision at the first arrival that makes the set decodable. A quorum round
+    (QuorumPolicy, which decides on time) takes every worker not ``late`` if they are a
+    quorum (the late ones missed the grace window), else it waits for all."""
+    if isinstance(policy, QuorumPolicy):
+        on_time = sorted(set(order) - set(late))
+        if len(on_time) >= policy.quorum:
+            return policy.mean(on_time, "all arrived" if len(on_time) == len(order) else "quorum")
+        return policy.mean(sorted(order), "all arrived")
     for k in range(1, len(order) + 1):
         decision = policy.decide(sorted(order[:k]), deadline_passed=False)
         if decision is not None:
@@ -100,9 +114,9 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
     model = task.make_model().to("cpu", torch.float32)
     params = [p.data for p in model.parameters()]
     layout = Layout.from_named_tensors(model.named_parameters())
-    code = code or make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
-    policy = CodePolicy(code)
-    outer = make_outer(cfg.compression.method, layout, cfg.outer, cfg.compression.dense_dtype)
+    code = code or make_code(cfg.coding.scheme, cfg.workers, cfg.coding.tolerance(cfg.workers), cfg.coding.seed)
+    policy = close_policy(code, cfg.coding)
+    outer = make_outer(cfg, layout)
     undoable = cfg.coding.scheme != "none"
     workers = [SimWorker(InnerTrainer(task, cfg.inner, cfg.rounds, torch.device("cpu")),
                          FrameEncoder(layout, cfg.compression, undoable=undoable)) for _ in range(cfg.workers)]
@@ -110,7 +124,7 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
     for t in range(cfg.rounds):
         frames = [play(w, params, worker_task(code, i, t, cfg.rounds), t, i) for i, w in enumerate(workers)]
         late = stragglers(t)
-        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late)
+        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late, late)
         arrivals = {i: Arrival(i, frames[i], decode_frame(frames[i], layout)) for i in decision.coefficients}
         chosen = [(arrivals[i], a) for i, a in sorted(decision.coefficients.items())]
         update = outer.step(t, chosen, decision)
@@ -151,9 +165,9 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     model = task.make_model().to("cpu", torch.float32)
     params = [p.data for p in model.parameters()]
     layout = Layout.from_named_tensors(model.named_parameters())
-    code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
-    policy = CodePolicy(code)
-    outer = make_outer(cfg.compression.method, layout, cfg.outer, cfg.compression.dense_dtype)
+    code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.tolerance(cfg.workers), cfg.coding.seed)
+    policy = close_policy(code, cfg.coding)
+    outer = make_outer(cfg, layout)
     workers = [SimWorker(InnerTrainer(task, cfg.inner, cfg.rounds, torch.device("cpu")),
                          FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
                                       density=densities[i] if densities else None))
@@ -175,7 +189,7 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
             running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]], scale)
                        for i, w in enumerate(workers)]
         late = stragglers(t)
-        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late)
+        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late, late)
         arrivals = {i: Arrival(i, frames[i], decode_frame(frames[i], layout)) for i in decision.coefficients}
         update = outer.step(t, [(arrivals[i], a) for i, a in sorted(decision.coefficients.items())], decision)
         pending = (decision, update, frames)
@@ -198,7 +212,7 @@ def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int) -> l
     return partitions
 
 
-def fold(params: list[torch.Tensor], policy: CodePolicy, workers: list[SimWorker], decision: Decision,
+def fold(params: list[torch.Tensor], policy: ClosePolicy, workers: list[SimWorker], decision: Decision,
          update, frames: list[bytes]) -> None:
     """A round's result into the global track, and every worker's frame settled by it."""
     apply_update(params, update)

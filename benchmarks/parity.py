@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tune", action="store_true", help="run the tuning stage and write --tuned")
     p.add_argument("--tune-seeds", default=",".join(map(str, TUNE_SEEDS)))
     p.add_argument("--tune-rounds", type=int, default=None, help="rounds of a tuning run (default --rounds)")
+    p.add_argument("--tune-fresh", action="store_true",
+                   help="train every grid point (by default the points of --tuned, if tuned in the same regime, are kept)")
     p.add_argument("--inner-lrs", default=",".join(map(str, INNER_LRS)), help="the inner lr grid")
     for method, grid in OUTER_LRS.items():
         p.add_argument(f"--{method}-outer-lrs", default=",".join(map(str, grid)), help=f"{method}'s outer lr grid")
@@ -319,23 +321,54 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
     rounds = args.tune_rounds or args.rounds
     base = base_overrides(args, rounds)
     print(f"tuning on seeds {seeds}, {rounds} rounds", flush=True)
-    losses: dict[str, dict[str, list[float]]] = {}
+    regime = tuning_regime(args, rounds, seeds, base)
+    losses = {} if args.tune_fresh else earlier_losses(args.tuned, regime)
+    for method, points in losses.items():
+        print(f"{method}: {len(points)} grid points from {args.tuned} (same regime; --tune-fresh trains them again)",
+              flush=True)
     chosen: dict[str, dict[str, Any]] = {}
     for method in TUNE_ORDER:
-        losses[method] = {}
+        losses.setdefault(method, {})
         chosen[method] = tune_method(args, base, method, seeds, losses[method])
-        report = tuning_report(args, rounds, seeds, base, chosen, losses)
+        report = tuning_report(regime, chosen, losses)
         write_tuned(args.tuned, {**report, **provenance(run_config(Job("", method, base, seeds[0])).task)})
     return report
 
 
-def tuning_report(args: argparse.Namespace, rounds: int, seeds: list[int], base: dict[str, Any],
-                  chosen: dict[str, dict[str, Any]], losses: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+def tuning_regime(args: argparse.Namespace, rounds: int, seeds: list[int], base: dict[str, Any]) -> dict[str, Any]:
+    """What a tuning point's loss depends on beside the point itself: the run's size, the
+    seeds, the users' overrides and the token stream (its fingerprint)."""
+    cfg = run_config(Job("", "sparseloco", base, seeds[0]))
+    return {"rounds": rounds, "seeds": seeds, "workers": args.workers, "inner_steps": args.inner_steps,
+            "warmup_steps": base["inner.warmup_steps"], "model": args.model,
+            "batch": [args.batch_size, args.seq_len], "partitioning": args.partitioning,
+            "val_windows": args.val_windows,
+            "user_overrides": {m: getattr(args, f"{m}_set") for m in METHODS},
+            "data_fingerprint": provenance(cfg.task)["data_fingerprint"]}
+
+
+# what a tuned file written before these fields were recorded was tuned with
+REGIME_DEFAULTS = {"model": "gpt-tiny", "batch": [8, 32], "partitioning": "iid", "val_windows": 1024}
+
+
+def earlier_losses(path: str, regime: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """The grid points' losses of an earlier tuning in ``path`` of the same ``regime`` (a
+    tuning cut off, or one method's grid added later, goes on from there); {} where the
+    file is not there or was tuned otherwise."""
+    if not Path(path).exists():
+        return {}
+    earlier = json.loads(Path(path).read_text())
+    if any(earlier.get(k, REGIME_DEFAULTS.get(k)) != v for k, v in regime.items()):
+        return {}
+    return earlier.get("losses", {})
+
+
+def tuning_report(regime: dict[str, Any], chosen: dict[str, dict[str, Any]],
+                  losses: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     return {"tuned": chosen, "losses": losses,
             "mean_losses": {m: {k: statistics.mean(v) for k, v in ls.items()} for m, ls in losses.items()},
             "search": "two-stage: inner lr at the default outer lr, then outer lr at the best inner lr",
-            "rounds": rounds, "seeds": seeds, "workers": args.workers, "inner_steps": args.inner_steps,
-            "warmup_steps": base["inner.warmup_steps"], "user_overrides": {m: getattr(args, f"{m}_set") for m in METHODS}}
+            **regime}
 
 
 def write_tuned(path: str, report: dict[str, Any]) -> None:

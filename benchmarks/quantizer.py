@@ -26,7 +26,7 @@ from benchmarks.inprocess import simulate
 from benchmarks.provenance import provenance
 from geoloco.compression import Layout, TensorSpec
 from geoloco.config import RunConfig, load_config
-from geoloco.worker.encoder import QUANTIZER_TABLES
+from geoloco.replica import QUANTIZER_TABLES
 
 QUANTIZERS = tuple(QUANTIZER_TABLES)  # two-level, four-bin
 

@@ -102,7 +102,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     code = make_code("none", n, 0, 0)
     state = CoordinatorState(layout, params, WorkerRegistry(n, TOKEN), RunTotals(),
                              RoundState(0, cfg.coordinator.deadline_s))
-    loop = RoundLoop(cfg, state, CodePolicy(code), make_outer("sparseloco", layout, cfg.outer),
+    loop = RoundLoop(cfg, state, CodePolicy(code), make_outer(cfg, layout),
                      NoValidation(), nn.Module(), run_dir)
     server, port = start_server(cfg, CoordinatorServicer(state, cfg, layout, code), health.HealthServicer(), None)
     write_atomic(run_dir / PORT_FILE, f"{port}\n")

@@ -28,7 +28,7 @@ from geoloco.coordinator.metrics import MetricsWriter, RunTotals
 from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
-from geoloco.coordinator.rounds import CodePolicy, RoundState
+from geoloco.coordinator.rounds import RoundState, close_policy
 from geoloco.coordinator.scalars import TensorBoardScalars
 from geoloco.coordinator.service import CoordinatorServicer, add_to_server
 from geoloco.coordinator.state import CoordinatorState
@@ -97,8 +97,8 @@ class Coordinator:
         self.run_dir = claim_run_dir(plan, COORDINATOR_WRITES)
         cfg.run_dir = str(self.run_dir)  # the folder it is (the default names a new one per run)
         self.layout, params = _params_on_huge_pages(model)
-        self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.stragglers, cfg.coding.seed)
-        outer = make_outer(cfg.compression.method, self.layout, cfg.outer, cfg.compression.dense_dtype)
+        self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.tolerance(cfg.workers), cfg.coding.seed)
+        outer = make_outer(cfg, self.layout)
         registry = WorkerRegistry(cfg.workers, token, worker_tokens)
         for stale in checkpoint.remove_stale(self.run_dir):
             log.info("removed %s, left by a write that was cut off", stale)
@@ -113,7 +113,7 @@ class Coordinator:
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s),
                                       self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
-        self.loop = RoundLoop(cfg, self.state, CodePolicy(self.code), outer, task, model,
+        self.loop = RoundLoop(cfg, self.state, close_policy(self.code, cfg.coding), outer, task, model,
                               self.run_dir, task.model_files(model))
         self.loop.bounds.recent.update(guard_norms)
         self.loop.crash_at = crash_at  # the exactly-once tests' seam

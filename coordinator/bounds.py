@@ -82,9 +82,9 @@ class FrameBounds:
         return {w: norm for w, (r, norm) in self.recent.items() if round_ - r <= self.guard.reference_rounds}
 
     def remember(self, round_: int, update: Update) -> None:
-        """The norms of the frames a committed update of ``round_`` applied (their own
-        norms, before any clipping weight)."""
-        for f in update.frames:
+        """The norms of the workers' frames a committed update of ``round_`` applied (their
+        own norms, before any clipping weight; those an aggregated result was made of)."""
+        for f in update.sources or update.frames:
             self.recent[f.sender] = (round_, f.frame.magnitudes()[0])
 
     def bound_round(self, rs: RoundState, policy: ClosePolicy) -> Verdict:

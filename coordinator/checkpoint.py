@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,14 +102,16 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); nothing of it is left."""
 
 
-def save(run_dir: Path, ckpt: Checkpoint) -> Path:
+def save(run_dir: Path, ckpt: Checkpoint, after_weights: Callable[[], None] | None = None) -> Path:
     """Write ``ckpt`` atomically (a temporary folder, each file fsynced, the sidecar last,
     then renamed into place) and prune old checkpoints; returns its folder. When a write
-    fails the temporary folder is removed and CheckpointWriteError says why."""
+    fails the temporary folder is removed and CheckpointWriteError says why.
+    ``after_weights`` is called once the weights are in the temporary folder (the
+    exactly-once tests' seam: a kill there leaves a half-written checkpoint)."""
     path = checkpoint_path(run_dir, ckpt.round)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        _write_folder(tmp, ckpt)
+        _write_folder(tmp, ckpt, after_weights)
         _replace_folder(tmp, path)
     except Exception as exc:  # noqa: BLE001 - torch and safetensors wrap the OSError
         shutil.rmtree(tmp, ignore_errors=True)
@@ -118,12 +121,14 @@ def save(run_dir: Path, ckpt: Checkpoint) -> Path:
     return path
 
 
-def _write_folder(tmp: Path, ckpt: Checkpoint) -> None:
+def _write_folder(tmp: Path, ckpt: Checkpoint, after_weights: Callable[[], None] | None = None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     weights = {name: t.detach().cpu().contiguous() for name, t in {**ckpt.params, **ckpt.fixed}.items()}
     save_weights(weights, tmp / WEIGHTS_FILE, {"format": "pt", "geoloco_round": str(ckpt.round)})
     fsync_path(tmp / WEIGHTS_FILE)
+    if after_weights is not None:
+        after_weights()
     for name, text in ckpt.files.items():
         write_atomic(tmp / name, text)
     state = io.BytesIO()

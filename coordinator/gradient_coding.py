@@ -155,6 +155,21 @@ class IgnoreStragglers(GradientCode):
         return {i: self.n / len(workers) for i in workers}
 
 
+class QuorumCode(GradientCode):
+    """``quorum``: B = I and no code. All n arrived decode (a_i = 1); fewer close only by
+    time, when ``coordinator.rounds.QuorumPolicy`` says so: n - s arrived and a grace
+    window passed."""
+
+    def __init__(self, n: int, s: int) -> None:
+        super().__init__("quorum", n, s, np.eye(n), [[i] for i in range(n)])
+
+    def decode(self, arrived: Iterable[int]) -> Decoding | None:
+        workers = self._arrived(arrived)
+        if len(workers) < self.n:
+            return None
+        return {i: 1.0 for i in workers}
+
+
 class FractionalRepetition(GradientCode):
     """FR (Tandon et al. 2017, Sec. 3): groups of s + 1 workers share s + 1 partitions.
 
@@ -337,6 +352,8 @@ def make_code(scheme: str, n: int, s: int, seed: int = 0, aligned: bool | None =
         return WaitForAll("none", n, s, np.eye(n), [[i] for i in range(n)])
     if scheme == "ignore":
         return IgnoreStragglers(n, s)
+    if scheme == "quorum":
+        return QuorumCode(n, s)
     if scheme.endswith("-fr"):
         return FractionalRepetition(scheme, n, s)
     return CyclicRepetition(scheme, n, s, seed, aligned)

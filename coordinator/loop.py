@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -77,6 +77,7 @@ class RoundLoop:
         self.val_seconds: float | None = None  # the last validation's cost
         self.round_seconds: float | None = None  # the last round's, from open to broadcast
         self.replayed: int | None = None  # rounds replayed from the round log (None: not yet)
+        self.unlogged_from: int | None = None  # the first round the round log misses, until a checkpoint
 
     def run(self) -> None:
         """The rounds logged after the checkpoint, the initial loss, the joins, every
@@ -115,6 +116,8 @@ class RoundLoop:
         self.replayed = len(entries)
         for entry in entries:
             closed, update = entry.closed(), entry.update(self.state.layout)
+            if entry.sources:
+                update = self.replay_aggregate(entry, update)
             with self.state.publishing(closed):
                 self.state.apply(update, closed)
             self.bounds.remember(entry.round, update)
@@ -125,24 +128,39 @@ class RoundLoop:
                      len(closed.parts), closed.digest.result()[:16])
         return len(entries)
 
+    def replay_aggregate(self, entry: roundlog.LoggedRound, update: Update) -> Update:
+        """Aggregate and compress a logged round's frames again, as its close did, so the
+        coordinator's error feedback after the replay is what the round left (the codec is
+        deterministic: the frame must be the logged one)."""
+        sources = entry.source_frames(self.state.layout)
+        again = self.outer.combine(entry.round, sources, entry.source_mode)
+        if [f.data for f in again.frames] != [f.data for f in update.frames]:
+            log.error("round %d replayed: its aggregate compressed to another frame than the one "
+                      "broadcast; the coordinator's error feedback may differ from the run's", entry.round)
+        return replace(update, sources=again.sources, source_mode=again.source_mode)  # applied as logged
+
     def run_round(self) -> None:
         """Close, broadcast at once, then apply and digest while the frames travel; the
         validation loss is measured last, off the workers' critical path."""
         rs = self.state.wait_for_close(self.policy)
         if rs is None:
             return  # stopping
+        self.policy.observe(rs.times())
         verdict = self.bounds.bound_round(rs, self.policy)
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
         settlements = {i: self.policy.settlement(rs.decision, i) for i in range(self.cfg.workers)}
+        if update.aggregated:
+            attach_mate_frames(settlements, rs)
         if not self.bounds.safe(update):
             log.error("round %d: the update of workers %s could make parameters non-finite; "
-                      "committing no change", rs.round, [f.sender for f in update.frames])
+                      "committing no change", rs.round, [f.sender for f in update.sources or update.frames])
+            self.outer.discard()
             update = Update([], "sum", 1.0)
             # nothing was applied: every worker keeps its message in its error feedback
             settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
         self.bounds.remember(rs.round, update)
         closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
-        self.log_decision(rs, closed)
+        self.log_decision(rs, closed, update)
         self.crash_point("decision", rs.round)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
@@ -156,18 +174,35 @@ class RoundLoop:
         self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
 
-    def log_decision(self, rs: RoundState, closed: ClosedRound) -> None:
-        """The close decision to the round log, durably, before anything is broadcast."""
+    def log_decision(self, rs: RoundState, closed: ClosedRound, update: Update) -> None:
+        """The close decision to the round log, durably, before anything is broadcast. A
+        decision that cannot be written (disk full and the like) is one error line, and the
+        round goes on unlogged, as do the rounds after it until a checkpoint covers them:
+        the log never holds a round after a missing one, so a resume replays up to the gap
+        and redoes the rest from the checkpoint (docs/protocol.md, "A full disk")."""
+        if self.unlogged_from is not None:
+            return
         now = time.monotonic()
         timing = RoundTiming(published_at=now, applied_at=now, wall_time=time.time(),
                              elapsed_seconds=self.elapsed_seconds())
         draft = round_metrics(rs, closed, timing, None, self.lr_of(rs.round))
-        roundlog.append(self.run_dir, roundlog.LoggedRound(closed.header, closed.parts,
-                                                           closed.settlements, asdict(draft)))
+        sources = tuple((f.sender, f.weight, f.data) for f in update.sources)
+        entry = roundlog.LoggedRound(closed.header, closed.parts, closed.settlements, asdict(draft), sources,
+                                     update.source_mode)
+        try:
+            roundlog.append(self.run_dir, entry)
+        except OSError as exc:
+            self.unlogged_from = rs.round
+            log.error("round %d: its close decision was not written to the round log (%s); training goes "
+                      "on, and until the next checkpoint a coordinator killed redoes these rounds from the "
+                      "last checkpoint instead of replaying them", rs.round, exc.strerror or exc)
 
     def crash_point(self, stage: str, round: int) -> None:
-        """The test seam of exactly-once: SIGKILL this process at ``stage`` of ``round``
-        (after the decision is logged; after the broadcast, before the apply)."""
+        """The test seam of exactly-once: SIGKILL this process at ``stage`` of ``round``:
+        "decision" (logged, not broadcast), "broadcast" (sent, not applied: the apply is in
+        memory, so a kill during it leaves what this one leaves) or "checkpoint" (the
+        checkpoint after the round half written: its weights in the temporary folder, no
+        sidecar)."""
         if self.crash_at == (stage, round):
             if stage == "broadcast":
                 time.sleep(CRASH_AFTER_BROADCAST_S)  # the frames on their way, the digest not
@@ -255,8 +290,10 @@ class RoundLoop:
         ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,
                                      self.state.layout.digest, totals, fixed=self.fixed,
                                      files=self.model_files, guard_norms=dict(self.bounds.recent))
-        path = checkpoint.save(self.run_dir, ckpt)
+        path = checkpoint.save(self.run_dir, ckpt,
+                               after_weights=lambda: self.crash_point("checkpoint", next_round - 1))
         roundlog.prune(self.run_dir, next_round)
+        self.unlogged_from = None  # the checkpoint covers the rounds the log missed
         log.info("checkpoint %s (%s)", path, checkpoint.starts(next_round))
         return path
 
@@ -301,6 +338,14 @@ def _worker_keys(metrics: dict) -> dict:
     """A metrics dict read back from JSON, its per-worker maps keyed by int again."""
     return {k: {int(w) if str(w).isdigit() else w: v for w, v in val.items()}
             if isinstance(val, dict) else val for k, val in metrics.items()}
+
+
+def attach_mate_frames(settlements: dict[int, pb.Settlement], rs: RoundState) -> None:
+    """An aggregated result does not carry the workers' frames: a CREDIT settlement gets the
+    group-mate's frame it credits, for that worker alone (docs/gradient-coding.md)."""
+    for settlement in settlements.values():
+        if settlement.kind == pb.Settlement.CREDIT:
+            settlement.mate_frame = rs.arrivals[settlement.sender].data
 
 
 def round_result(rs: RoundState, update: Update, settlements: dict[int, pb.Settlement],

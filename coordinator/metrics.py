@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geoloco.coordinator.outer import COORDINATOR_SENDER
 from geoloco.coordinator.rounds import ClosedRound, RoundState
 from geoloco.run_dir import METRICS_FILE, SUMMARY_FILE, write_atomic
 
@@ -65,6 +66,10 @@ class RoundMetrics:
     # worker measured on its previous push (compression.density "auto": worker/density.py)
     density_by_worker: dict[int, float] = field(default_factory=dict)
     upload_rate_by_worker: dict[int, float] = field(default_factory=dict)
+    # what the round result carried (coordinator.broadcast): "frames", the workers' own, or
+    # "aggregate", one frame the coordinator made (SparseLoCo's aggregated result, DiLoCo's
+    # dense update); None where nothing was applied
+    broadcast: str | None = None
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -141,7 +146,19 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         resyncs_by_worker={a.worker: a.resyncs for a in arrivals},
         density_by_worker={a.worker: a.density for a in arrivals if a.density},
         upload_rate_by_worker={a.worker: a.upload_rate for a in arrivals if a.upload_rate},
+        broadcast=broadcast_of(closed),
     )
+
+
+BROADCAST_MODES = ("frames", "aggregate")  # RoundMetrics.broadcast
+
+
+def broadcast_of(closed: ClosedRound) -> str | None:
+    """"aggregate" where the result is one frame of the coordinator's, else "frames"."""
+    senders = [f.sender for f in closed.header.frames]
+    if not senders:
+        return None
+    return "aggregate" if senders == [COORDINATOR_SENDER] else "frames"
 
 
 def _mean(values: list[float]) -> float | None:

@@ -1,5 +1,6 @@
 """Outer optimizers: SparseLoCo's outer SGD (Sarfi et al. 2025, arXiv 2508.15706; the
-workers' frames are broadcast as they are) and DiLoCo's Nesterov SGD (Douillard et al.
+workers' frames are broadcast as they are, or their aggregate compressed into one frame:
+``coordinator.broadcast``) and DiLoCo's Nesterov SGD (Douillard et al.
 2023, arXiv 2311.08105; one dense frame of the parameter change is broadcast, fp32 or bf16
 as the workers send theirs)."""
 
@@ -12,12 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from geoloco.compression import Layout, aggregate, decode_frame, encode_dense
-from geoloco.config import OuterConfig, RunConfig
+from geoloco.compression import Compressor, Layout, aggregate, decode_frame, encode_dense
+from geoloco.config import AUTO, OuterConfig, RunConfig
 from geoloco.coordinator.rounds import Arrival, Decision
-from geoloco.replica import apply_round
+from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
 
 COORDINATOR_SENDER = 2**31 - 1  # sender id of the coordinator's own frames (fits int32 and u32)
+# coordinator.broadcast_density's default: this many times the workers' density (an
+# aggregate of n frames keeps more coordinates than one frame does)
+BROADCAST_DENSITY_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,14 @@ class Update:
     frames: list[UpdateFrame]
     mode: str  # compression.apply_frames mode: "sum" | "mean_kept"
     alpha: float
+    # an aggregated result (coordinator.broadcast): the workers' weighted frames whose
+    # aggregate ``frames`` carries, and their mode; empty where the frames are broadcast
+    sources: tuple[UpdateFrame, ...] = ()
+    source_mode: str = ""
+
+    @property
+    def aggregated(self) -> bool:
+        return bool(self.sources)
 
 
 def apply_update(params: list[Tensor], update: Update) -> None:
@@ -88,6 +100,10 @@ class OuterOptimizer(ABC):
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         """The update for ``round`` (does not touch the parameters)."""
 
+    def discard(self) -> None:  # noqa: B027 - most optimizers have nothing to undo
+        """The update of the last ``step`` is not committed: undo what it did to this
+        optimizer's state where that can be undone (DiLoCo's momentum keeps it)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -96,10 +112,25 @@ class OuterOptimizer(ABC):
 
 
 class SparseLoCoOuter(OuterOptimizer):
-    """Outer SGD without momentum: broadcast the workers' frames with alpha = -lr.
+    """Outer SGD without momentum: params += -lr * mean(frames), the pseudo-gradient being
+    theta_global - theta_local.
 
-    The pseudo-gradient is theta_global - theta_local, so params += -lr * mean(frames).
+    ``broadcast`` (coordinator.broadcast; docs/decisions.md, "One frame down"): ``frames``
+    broadcasts the workers' frames as they are; ``aggregate`` compresses their aggregate,
+    plus what earlier rounds' broadcasts left out, into one frame with the coordinator's own
+    error feedback (``compressor``, decay 1: what a frame leaves out is delayed, never lost),
+    so a worker downloads one frame whatever n; ``auto`` takes whichever of the two is
+    smaller in bytes, round by round (a round of frames leaves the error feedback as it was).
     """
+
+    def __init__(self, layout: Layout, cfg: OuterConfig, broadcast: str = "frames",
+                 compressor: Compressor | None = None) -> None:
+        super().__init__(layout, cfg)
+        if broadcast != "frames" and compressor is None:
+            raise ValueError(f"broadcast {broadcast!r} needs the coordinator's compressor")
+        self.broadcast = broadcast
+        self.compressor = compressor
+        self._compressed = False  # the last step compressed: discard() undoes it
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         weights, mode = mean_weights(decision, self.aggregation)
@@ -107,7 +138,36 @@ class SparseLoCoOuter(OuterOptimizer):
             UpdateFrame(arr.worker, w, arr.data, arr.frame)
             for (arr, _), w in zip(chosen, weights, strict=True)
         ]
-        return Update(frames, mode, -self.lr)
+        return self.combine(round, frames, mode)
+
+    def combine(self, round: int, frames: list[UpdateFrame], mode: str) -> Update:
+        """The update of ``frames`` weighted and aggregated by ``mode``, as broadcast. The
+        only step that changes this optimizer's state, so a replayed round calls it again."""
+        self._compressed = False
+        as_frames = Update(frames, mode, -self.lr)
+        if self.broadcast == "frames" or not frames:
+            return as_frames
+        total = aggregate(self.layout, [f.frame for f in frames], [f.weight for f in frames], mode=mode)
+        data = self.compressor.compress(total, round=round, sender=COORDINATOR_SENDER)
+        if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= len(data):
+            self.compressor.restore()
+            return as_frames
+        self._compressed = True
+        frame = UpdateFrame(COORDINATOR_SENDER, 1.0, data, decode_frame(data, self.layout))
+        return Update([frame], "sum", -self.lr, tuple(frames), mode)
+
+    def discard(self) -> None:
+        if self._compressed:
+            self.compressor.restore()
+            self._compressed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"broadcast_error_feedback": self.compressor.state_dict()} if self.compressor else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("broadcast_error_feedback")
+        if self.compressor is not None and saved is not None:
+            self.compressor.load_state_dict(saved)
 
 
 class DiLoCoOuter(OuterOptimizer):
@@ -151,11 +211,33 @@ class DiLoCoOuter(OuterOptimizer):
         self.buffers = [b.clone() for b in buffers] if buffers is not None else None
 
 
-def make_outer(method: str, layout: Layout, cfg: OuterConfig, dense_dtype: str = "fp32") -> OuterOptimizer:
-    """The outer optimizer for ``compression.method`` (sparseloco | diloco; DiLoCo
-    broadcasts in ``compression.dense_dtype``)."""
+def make_outer(cfg: RunConfig, layout: Layout) -> OuterOptimizer:
+    """The outer optimizer of the run: ``compression.method`` (sparseloco | diloco; DiLoCo
+    broadcasts one dense frame in ``compression.dense_dtype``) and, for SparseLoCo,
+    ``coordinator.broadcast`` with its compressor."""
+    method = cfg.compression.method
     if method == "sparseloco":
-        return SparseLoCoOuter(layout, cfg)
+        broadcast = cfg.coordinator.broadcast
+        compressor = broadcast_compressor(cfg, layout) if broadcast != "frames" else None
+        return SparseLoCoOuter(layout, cfg.outer, broadcast, compressor)
     if method == "diloco":
-        return DiLoCoOuter(layout, cfg, dense_dtype)
+        return DiLoCoOuter(layout, cfg.outer, cfg.compression.dense_dtype)
     raise ValueError(f"compression.method {method!r} is not one of sparseloco, diloco")
+
+
+def broadcast_compressor(cfg: RunConfig, layout: Layout) -> Compressor:
+    """The coordinator's compressor of aggregated results: the workers' codec at
+    ``broadcast_density``, error-feedback decay 1, undoable (``auto`` and a discarded
+    update put its state back)."""
+    return sparse_compressor(layout, cfg.compression, density=broadcast_density(cfg), beta=1.0,
+                             undoable=True)
+
+
+def broadcast_density(cfg: RunConfig) -> float:
+    """coordinator.broadcast_density, or by default BROADCAST_DENSITY_FACTOR times the
+    workers' density (their starting density where it is "auto"), at most 1."""
+    density = cfg.coordinator.broadcast_density
+    if density is not None:
+        return float(density)
+    workers = cfg.compression.density if cfg.compression.density != AUTO else START_DENSITY
+    return min(1.0, BROADCAST_DENSITY_FACTOR * float(workers))

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from geoloco.config import RunConfig
-from geoloco.coordinator.metrics import RoundMetrics
+from geoloco.coordinator.metrics import BROADCAST_MODES, RoundMetrics
 from geoloco.coordinator.rounds import CLOSE_REASONS
 from geoloco.coordinator.state import CoordinatorState
 
@@ -30,6 +30,8 @@ class CoordinatorMetrics:
         r, w = self.registry, ["worker"]
         self.rounds = Counter("geoloco_rounds", "Rounds closed by this coordinator process", registry=r)
         self.closes = Counter("geoloco_round_closes", "Closed rounds by why they closed", ["reason"], registry=r)
+        self.broadcasts = Counter("geoloco_round_broadcasts", "Round results by what they carried "
+                                  "(coordinator.broadcast)", ["mode"], registry=r)
         self.upload = Counter("geoloco_upload_bytes", "Frame bytes received", w, registry=r)
         self.download = Counter("geoloco_download_bytes", "Round-result bytes sent", w, registry=r)
         self.rejected = Counter("geoloco_frames_rejected", "Frames refused: bad header, frame or round", registry=r)
@@ -64,10 +66,14 @@ class CoordinatorMetrics:
                 counter.labels(str(worker))
         for reason in CLOSE_REASONS:  # a rate over the reasons has data from the first close
             self.closes.labels(reason)
+        for mode in BROADCAST_MODES:
+            self.broadcasts.labels(mode)
 
     def write_round(self, m: RoundMetrics) -> None:
         self.rounds.inc()
         self.closes.labels(m.close_reason).inc()
+        if m.broadcast is not None:
+            self.broadcasts.labels(m.broadcast).inc()
         receivers = self.state.overview().live
         for worker in receivers:
             self.download.labels(str(worker)).inc(m.download_bytes_per_worker)

@@ -2,7 +2,9 @@
 coordinator kills (docs/protocol.md, "Stopping and restarting"): before a round's result is
 broadcast, its decision goes to ``roundlog/`` in the run dir, fsynced (the header: which
 frames by sender, weight and size, the aggregation and alpha; each frame's sha256 and
-bytes; each worker's settlement; the round's metrics line as known at the close). A
+bytes; each worker's settlement; the round's metrics line as known at the close; for an
+aggregated result, the workers' frames it aggregated, so that a replay advances the
+coordinator's error feedback as the round did). A
 resumed coordinator replays the rounds logged after its checkpoint instead of redoing them;
 a checkpoint removes the entries it covers, so the log holds at most
 ``coordinator.checkpoint_every`` rounds of frames."""
@@ -41,6 +43,8 @@ class LoggedRound:
     parts: tuple[bytes, ...]
     settlements: dict[int, pb.Settlement]
     metrics: dict[str, Any]
+    sources: tuple[tuple[int, float, bytes], ...] = ()  # an aggregate's (sender, weight, frame)
+    source_mode: str = ""
 
     @property
     def round(self) -> int:
@@ -56,13 +60,19 @@ class LoggedRound:
                   for info, data in zip(self.header.frames, self.parts, strict=True)]
         return Update(frames, self.header.aggregation or "sum", self.header.alpha)
 
+    def source_frames(self, layout: Layout) -> list[UpdateFrame]:
+        """The workers' weighted frames an aggregated result was made of (none otherwise)."""
+        return [UpdateFrame(sender, weight, data, decode_frame(data, layout))
+                for sender, weight, data in self.sources]
+
 
 def append(run_dir: Path, entry: LoggedRound) -> None:
     """Make ``entry`` durable: its frames first, then the record that names their hashes
     (the record is the commit: without it the round was not decided)."""
     folder = Path(run_dir) / ROUNDLOG_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(_path(run_dir, entry.round, "frames"), b"".join(entry.parts))
+    sources = [data for _, _, data in entry.sources]
+    write_atomic(_path(run_dir, entry.round, "frames"), b"".join([*entry.parts, *sources]))
     record = {
         "round": entry.round,
         "header": base64.b64encode(entry.header.SerializeToString()).decode(),
@@ -70,6 +80,9 @@ def append(run_dir: Path, entry: LoggedRound) -> None:
         "settlements": {str(w): base64.b64encode(s.SerializeToString()).decode()
                         for w, s in entry.settlements.items()},
         "metrics": entry.metrics,
+        "sources": [{"sender": sender, "weight": weight, "nbytes": len(data),
+                     "sha256": hashlib.sha256(data).hexdigest()} for sender, weight, data in entry.sources],
+        "source_mode": entry.source_mode,
     }
     write_atomic(_path(run_dir, entry.round, "json"), json.dumps(record, sort_keys=True) + "\n")
 
@@ -94,16 +107,26 @@ def _read(run_dir: Path, round: int) -> LoggedRound:
     header = pb.RoundHeader.FromString(base64.b64decode(record["header"]))
     data, parts, start = _path(run_dir, round, "frames").read_bytes(), [], 0
     for info, digest in zip(header.frames, record["frames_sha256"], strict=True):
-        part = data[start:start + info.nbytes]
-        if hashlib.sha256(part).hexdigest() != digest:
-            raise ValueError(f"frame of worker {info.sender} does not match its sha256")
-        parts.append(part)
+        parts.append(_part(data, start, info.nbytes, digest, info.sender))
         start += info.nbytes
+    sources = []
+    for source in record.get("sources", []):
+        sources.append((int(source["sender"]), float(source["weight"]),
+                        _part(data, start, source["nbytes"], source["sha256"], source["sender"])))
+        start += source["nbytes"]
     settlements = {int(w): pb.Settlement.FromString(base64.b64decode(s))
                    for w, s in record["settlements"].items()}
     if header.round != round:
         raise ValueError(f"holds round {header.round}")
-    return LoggedRound(header, tuple(parts), settlements, record["metrics"])
+    return LoggedRound(header, tuple(parts), settlements, record["metrics"], tuple(sources),
+                       record.get("source_mode", ""))
+
+
+def _part(data: bytes, start: int, nbytes: int, digest: str, sender: int) -> bytes:
+    part = data[start:start + nbytes]
+    if hashlib.sha256(part).hexdigest() != digest:
+        raise ValueError(f"frame of worker {sender} does not match its sha256")
+    return part
 
 
 def prune(run_dir: Path, before: int) -> None:

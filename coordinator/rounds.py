@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from geoloco.config import LATE_WORK, CodingConfig
 from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.protos import geoloco_pb2 as pb
 
@@ -61,18 +62,31 @@ class Decision:
         return self.reason.removesuffix(BOUNDED) in ("all arrived", "decodable")
 
 
-CLOSE_REASONS = ("all arrived", "decodable", "deadline", "live arrived")
+CLOSE_REASONS = ("all arrived", "decodable", "quorum", "deadline", "live arrived")
 BOUNDED = ", bounded"  # appended to the reason when the frame bounds dropped a frame
+
+
+@dataclass(frozen=True)
+class ArrivalTimes:
+    """When a round's frames came, in seconds since it opened, and the time it is now."""
+
+    now: float
+    arrived: dict[int, float]
 
 
 class ClosePolicy(Protocol):
     """Decides when a round may close and with which coefficients."""
 
-    def decide(self, arrived: list[int], deadline_passed: bool) -> Decision | None:
-        """A decision, or None to keep waiting."""
+    def decide(self, arrived: list[int], deadline_passed: bool,
+               times: ArrivalTimes | None = None) -> Decision | None:
+        """A decision, or None to keep waiting (``times`` None: decide as at the deadline
+        would on time alone)."""
 
     def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
         """How ``worker`` settles the error feedback of its frame for the decided round."""
+
+    def observe(self, times: ArrivalTimes) -> None:
+        """A closed round's arrival times (a policy that learns from them keeps them)."""
 
 
 class CodePolicy:
@@ -82,7 +96,11 @@ class CodePolicy:
     def __init__(self, code: GradientCode) -> None:
         self.code = code
 
-    def decide(self, arrived: list[int], deadline_passed: bool) -> Decision | None:
+    def observe(self, times: ArrivalTimes) -> None:
+        pass  # a code decides on who arrived, not when
+
+    def decide(self, arrived: list[int], deadline_passed: bool,
+               times: ArrivalTimes | None = None) -> Decision | None:
         decoded = self.code.decode(arrived) if arrived else None
         if decoded is not None:
             reason = "all arrived" if len(arrived) == self.code.n else "decodable"
@@ -95,6 +113,81 @@ class CodePolicy:
 
     def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
         return settlement(self.code, decision, worker)
+
+
+SPREAD_ROUNDS = 8  # QuorumPolicy's adaptive grace: the median over this many recent rounds
+
+
+class QuorumPolicy:
+    """Close on a quorum once a grace window has passed: the baseline that drops late work
+    (Decoupled DiLoCo's minimum quorum and grace window; hivemind and Psyche drop late peers
+    at a timeout). Before the deadline a round closes with every worker in ("all
+    arrived"), or once ``quorum`` frames are in and ``grace_s`` has passed since the
+    quorum-th came ("quorum"); at the deadline with what arrived. The round's update is the
+    mean of the arrived frames: each covers its worker's own partition and the same tokens
+    (H inner steps of one batch size: no worker is cut short), so the token weights are
+    equal. ``grace_s`` None: adaptive, ``grace_spread`` times the median arrival spread
+    (first frame to last, in time) of the last SPREAD_ROUNDS rounds; until a round has
+    been seen the round waits for every worker. A frame the round closed without settles
+    by ``late``: "keep" adds it back into its worker's error feedback (ADD_BACK: sent
+    later, as a deadline does), "drop" discards it (RESTORE: the round never touched that
+    error feedback, and the pseudo-gradient is gone)."""
+
+    def __init__(self, code: GradientCode, quorum: int, grace_s: float | None = None,
+                 grace_spread: float = 1.0, late: str = "keep") -> None:
+        if not 1 <= quorum <= code.n:
+            raise ValueError(f"quorum {quorum} is outside 1..{code.n}")
+        if late not in LATE_WORK:
+            raise ValueError(f"late work {late!r} is not one of {', '.join(LATE_WORK)}")
+        self.code = code
+        self.quorum = quorum
+        self.grace_s = grace_s
+        self.grace_spread = grace_spread
+        self.late = late
+        self.spreads: list[float] = []  # the recent rounds' arrival spreads, oldest first
+
+    def grace(self) -> float | None:
+        """Seconds to wait after the quorum; None: no figure yet, wait for all."""
+        if self.grace_s is not None:
+            return self.grace_s
+        if not self.spreads:
+            return None
+        return self.grace_spread * float(np.median(self.spreads))
+
+    def observe(self, times: ArrivalTimes) -> None:
+        if times.arrived:
+            self.spreads.append(max(times.arrived.values()) - min(times.arrived.values()))
+            del self.spreads[:-SPREAD_ROUNDS]
+
+    def decide(self, arrived: list[int], deadline_passed: bool,
+               times: ArrivalTimes | None = None) -> Decision | None:
+        if len(arrived) == self.code.n:
+            return self.mean(arrived, "all arrived")
+        if deadline_passed or times is None:
+            return self.mean(arrived, "deadline") if arrived else Decision({}, 0, "deadline")
+        grace = self.grace()
+        if len(arrived) < self.quorum or grace is None:
+            return None
+        quorum_at = sorted(times.arrived[i] for i in arrived)[self.quorum - 1]
+        return self.mean(arrived, "quorum") if times.now - quorum_at >= grace else None
+
+    def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
+        kinds = pb.Settlement
+        if worker in decision.coefficients:
+            return kinds(kind=kinds.KEEP)
+        return kinds(kind=kinds.ADD_BACK if self.late == "keep" else kinds.RESTORE)
+
+    @staticmethod
+    def mean(arrived: list[int], reason: str) -> Decision:
+        """Every arrived frame with a_i = 1 over the |F| partitions they cover: their mean."""
+        return Decision(dict.fromkeys(sorted(arrived), 1.0), len(arrived), reason, disjoint=True)
+
+
+def close_policy(code: GradientCode, coding: CodingConfig) -> ClosePolicy:
+    """The run's close policy: QuorumPolicy for scheme ``quorum``, else the code's."""
+    if code.name == "quorum":
+        return QuorumPolicy(code, code.n - code.s, coding.grace_s, coding.grace_spread, coding.late)
+    return CodePolicy(code)
 
 
 def settlement(code: GradientCode, decision: Decision, worker: int) -> pb.Settlement:
@@ -244,11 +337,17 @@ class RoundState:
             return None
         deadline_passed = self.seconds_left() <= 0
         give_up = others_dead and bool(self.arrivals) and not deadline_passed
-        decision = policy.decide(sorted(self.arrivals), deadline_passed or give_up)
+        decision = policy.decide(sorted(self.arrivals), deadline_passed or give_up, self.times())
         if decision is not None and give_up and decision.reason == "deadline":
             decision = replace(decision, reason="live arrived")
         self.decision = decision
         return decision
+
+    def times(self) -> ArrivalTimes:
+        """The arrivals' times and now, in seconds since the open."""
+        now = time.monotonic()
+        opened = self.opened_at if self.opened_at is not None else now
+        return ArrivalTimes(now - opened, {i: a.received_at - opened for i, a in self.arrivals.items()})
 
     def chosen(self) -> list[tuple[Arrival, float]]:
         """The chosen arrivals with their coefficients, in worker order."""

@@ -33,6 +33,7 @@ HISTORY_ROUNDS = 8  # closed rounds kept for Rounds streams that reconnect behin
 HISTORY_BYTES = 256 << 20  # ... and at most this many frame bytes of them (dense DiLoCo)
 JOIN_POLL_S = 0.5  # how often a wait re-checks its timeout
 FINISH_POLL_S = 0.1
+CLOSE_POLL_S = 0.05  # an open round re-asks its policy this often: a quorum's grace window ends on time
 
 Subscription = queue.Queue  # of ClosedRound, or None: the stream is to end
 
@@ -278,7 +279,7 @@ class CoordinatorState:
                 self.check_liveness()
                 if self.rs.try_close(policy, others_dead=not self._waiting_for()) is not None:
                     return self.rs
-                self.lock.wait(timeout=max(0.01, min(self.rs.seconds_left(), 0.5)))
+                self.lock.wait(timeout=max(0.01, min(self.rs.seconds_left(), CLOSE_POLL_S)))
         return None
 
     @contextmanager

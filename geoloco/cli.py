@@ -391,7 +391,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     from geoloco.coordinator.app import run_coordinator
 
     crash_at = None
-    if args.crash_at:  # the test seam: SIGKILL at "decision:R" or "broadcast:R"
+    if args.crash_at:  # the test seam: SIGKILL at "decision:R", "broadcast:R" or "checkpoint:R"
         stage, _, round_ = args.crash_at.partition(":")
         crash_at = (stage, int(round_))
     return run_coordinator(cfg, Path(cfg.run_dir), resume=args.resume, overwrite=args.overwrite,

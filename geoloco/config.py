@@ -24,7 +24,8 @@ from geoloco.transport import AddressError, parse_address
 
 MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-medium", "gpt-100m")
 METHODS = ("sparseloco", "diloco")
-SCHEMES = ("none", "ignore", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
+SCHEMES = ("none", "ignore", "quorum", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
+LATE_WORK = ("keep", "drop")  # coding.late: what a quorum round does with the frames it closed without
 INDEX_CODINGS = ("rice", "fixed")
 QUANTIZERS = ("two-level", "four-bin")
 DENSE_DTYPES = ("fp32", "bf16")
@@ -36,6 +37,7 @@ DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
 AGGREGATIONS = ("mean", "mean_kept")
 OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
 AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
+BROADCASTS = ("frames", "aggregate", AUTO)  # coordinator.broadcast
 PARTITIONINGS = ("iid", "contiguous")
 STDLIB_CORPUS = "stdlib"  # task.data naming the running Python's standard-library sources
 PROGRESS_STYLES = ("auto", "bar", "lines")
@@ -149,11 +151,31 @@ class CodingConfig:
     """Gradient coding against stragglers (Tandon et al. 2017; docs/gradient-coding.md)."""
 
     # none: wait for every worker; ignore: close on the first n - s, the missing partitions
-    # estimated; gc-fr/gc-cr: gradient codes (fractional repetition, cyclic) that decode the
-    # exact sum from any n - s; pgc-*: the same, pipelined over rounds
+    # estimated; quorum: close once coding.quorum arrived and a grace window passed, the
+    # mean of what arrived; gc-fr/gc-cr: gradient codes (fractional repetition, cyclic)
+    # that decode the exact sum from any n - s; pgc-*: the same, pipelined over rounds
     scheme: str = "none"
     stragglers: int = 0  # s: how many slow or dead workers a round tolerates
     seed: int = 0  # seeds the random code matrices of the -cr schemes
+    # quorum: the fewest arrived frames a round closes on before its deadline; None:
+    # workers - stragglers
+    quorum: int | None = None
+    # quorum: seconds a round waits for more frames once the quorum is in; None: adaptive,
+    # coding.grace_spread times the median arrival spread of the recent rounds
+    grace_s: float | None = None
+    # quorum, adaptive grace: the multiple of the recent rounds' median arrival spread (the
+    # seconds from a round's first frame to its last one in time)
+    grace_spread: float = 1.0
+    # quorum: a frame that missed its round stays in its worker's error feedback and is sent
+    # later ("keep"), or is dropped ("drop"; docs/decisions.md, "A quorum baseline")
+    late: str = "keep"
+
+    def tolerance(self, workers: int) -> int:
+        """s, the workers a round may close without: coding.stragglers, or with scheme
+        quorum and coding.quorum set, workers - quorum."""
+        if self.scheme == "quorum" and self.quorum is not None:
+            return workers - self.quorum
+        return self.stragglers
 
 
 @dataclass
@@ -205,6 +227,13 @@ class CoordinatorConfig:
     # last round; None: for models under 20M parameters as often as keeps an evaluation
     # under 10 % of a round (every round where it is cheap), else at checkpoints
     val_every: int | None = None
+    # what a round result carries (compression.method sparseloco; docs/decisions.md, "One
+    # frame down"): "frames", the workers' frames as they are (a worker downloads n frames);
+    # "aggregate", their aggregate compressed into one frame with the coordinator's own error
+    # feedback (one frame whatever n); "auto", whichever of the two is smaller, each round
+    broadcast: str = "frames"
+    # the aggregate's top-k density; None: twice the workers' compression.density
+    broadcast_density: float | None = None
 
 
 @dataclass
@@ -368,6 +397,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_links(cfg.network, cfg.workers)
     _check_stragglers(cfg.stragglers, cfg.workers)
     _check_coordinator(cfg.coordinator)
+    if cfg.coordinator.broadcast == "aggregate" and cfg.compression.method != "sparseloco":
+        raise ConfigError(f"coordinator.broadcast 'aggregate' needs compression.method 'sparseloco' "
+                          f"(a {cfg.compression.method} round result is already one dense frame)")
     _check_choice("worker.device", cfg.worker.device, DEVICES)
     _check_choice("worker.precision", cfg.worker.precision, PRECISIONS)
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
@@ -503,6 +535,19 @@ def _check_coding(coding: CodingConfig, workers: int) -> None:
     _check_range("coding.stragglers", coding.stragglers, 0, workers - 1)
     if coding.scheme == "none" and coding.stragglers:
         raise ConfigError("coding.stragglers must be 0 with coding.scheme 'none' (wait for all)")
+    if coding.quorum is not None:
+        if isinstance(coding.quorum, bool) or not isinstance(coding.quorum, int):
+            raise ConfigError(f"coding.quorum: {coding.quorum!r} is not a whole number of workers")
+        _check_range("coding.quorum", coding.quorum, 1, workers)
+        if coding.scheme != "quorum":
+            raise ConfigError(f"coding.quorum is for coding.scheme 'quorum', not {coding.scheme!r}")
+        if coding.stragglers and coding.quorum != workers - coding.stragglers:
+            raise ConfigError(f"coding.quorum {coding.quorum} and coding.stragglers {coding.stragglers} "
+                              f"disagree for {workers} workers: set one of them (quorum = workers - stragglers)")
+    if coding.grace_s is not None:
+        _check_range("coding.grace_s", coding.grace_s, 0.0, 1e6)
+    _check_range("coding.grace_spread", coding.grace_spread, 0.0, 1e3)
+    _check_choice("coding.late", coding.late, LATE_WORK)
     if coding.scheme.endswith("-fr") and workers % (coding.stragglers + 1):
         raise ConfigError(
             f"coding.scheme {coding.scheme!r} needs (stragglers + 1) to divide workers; "
@@ -545,6 +590,9 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_range("coordinator.liveness_s", co.liveness_s, 0.5, 1e6)
     if co.val_every is not None:
         _check_range("coordinator.val_every", co.val_every, 0, 10**7)
+    _check_choice("coordinator.broadcast", co.broadcast, BROADCASTS)
+    if co.broadcast_density is not None:
+        _check_range("coordinator.broadcast_density", co.broadcast_density, 1 / 4096, 1.0)
     if co.token is not None and not co.token.strip():
         raise ConfigError("coordinator.token must not be empty")
     if co.worker_tokens_file is not None and (not isinstance(co.worker_tokens_file, str) or not co.worker_tokens_file):

@@ -12,9 +12,24 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from geoloco.compression import Frame, Layout, TensorSpec, apply_frames
+from geoloco.compression import Compressor, Frame, Layout, TensorSpec, apply_frames
+from geoloco.config import AUTO, CompressionConfig
 
 INCREMENTAL_MODES = ("sum",)  # modes whose frames are applied one at a time, in order
+START_DENSITY = 64 / 4096  # compression.density "auto" before a worker has timed a push
+QUANTIZER_TABLES = {"two-level": "chunk", "four-bin": "bins"}  # compression.quantizer -> Compressor table
+
+
+def sparse_compressor(layout: Layout, comp: CompressionConfig, *, density: float | None = None,
+                      beta: float | None = None, undoable: bool = False) -> Compressor:
+    """The run's sparse codec (tile, index coding, quantizer, zstd) as a Compressor: a
+    worker's (``density`` overrides compression.density, which may be "auto"; ``beta``
+    compression.ef_beta) or the coordinator's for aggregated results."""
+    if density is None:
+        density = comp.density if comp.density != AUTO else START_DENSITY
+    return Compressor(layout, density=density, beta=comp.ef_beta if beta is None else beta,
+                      tile=comp.tile, index_coding=comp.index_coding, zstd=comp.zstd,
+                      undoable=undoable, table=QUANTIZER_TABLES[comp.quantizer])
 
 
 def replica_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:

@@ -180,7 +180,7 @@ class RoundHeader(_message.Message):
     def __init__(self, round: _Optional[int] = ..., frames: _Optional[_Iterable[_Union[FrameInfo, _Mapping]]] = ..., aggregation: _Optional[str] = ..., alpha: _Optional[float] = ..., next_task: _Optional[_Union[WorkerTask, _Mapping]] = ..., finished: _Optional[bool] = ..., arrived: _Optional[_Iterable[int]] = ..., settlement: _Optional[_Union[Settlement, _Mapping]] = ..., task_after_next: _Optional[_Union[WorkerTask, _Mapping]] = ...) -> None: ...
 
 class Settlement(_message.Message):
-    __slots__ = ("kind", "sender")
+    __slots__ = ("kind", "sender", "mate_frame")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KEEP: _ClassVar[Settlement.Kind]
@@ -193,9 +193,11 @@ class Settlement(_message.Message):
     CREDIT: Settlement.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    MATE_FRAME_FIELD_NUMBER: _ClassVar[int]
     kind: Settlement.Kind
     sender: int
-    def __init__(self, kind: _Optional[_Union[Settlement.Kind, str]] = ..., sender: _Optional[int] = ...) -> None: ...
+    mate_frame: bytes
+    def __init__(self, kind: _Optional[_Union[Settlement.Kind, str]] = ..., sender: _Optional[int] = ..., mate_frame: _Optional[bytes] = ...) -> None: ...
 
 class RoundDigest(_message.Message):
     __slots__ = ("round", "digest")

@@ -12,14 +12,13 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Compressor, Frame, Layout, decode_frame, encode_dense
-from geoloco.config import AUTO, CompressionConfig
+from geoloco.config import CompressionConfig
 from geoloco.protos import geoloco_pb2 as pb
-from geoloco.replica import apply_round
+from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
 
 log = logging.getLogger(__name__)
 
-START_DENSITY = 64 / 4096  # compression.density "auto" before a worker has timed a push
-QUANTIZER_TABLES = {"two-level": "chunk", "four-bin": "bins"}  # compression.quantizer -> Compressor table
+__all__ = ["START_DENSITY", "FrameEncoder", "same_values"]
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
 
 
@@ -62,6 +61,8 @@ class FrameEncoder:
         frame = decode_frame(own, self.layout)
         if settlement.kind == kinds.CREDIT:
             mate = next((f for f in applied if f.sender == settlement.sender), None)
+            if mate is None and settlement.mate_frame:  # an aggregated result: the mate's frame beside it
+                mate = decode_frame(settlement.mate_frame, self.layout)
             if mate is None:
                 raise ValueError(f"settlement credits worker {settlement.sender}'s frame, which the round did not apply")
             if same_values(frame, mate):
@@ -98,8 +99,4 @@ def same_values(a: Frame, b: Frame) -> bool:
 def _compressor(layout: Layout, comp: CompressionConfig, undoable: bool = False,
                 density: float | None = None) -> Compressor:
     """The compressor of ``comp``; ``density`` overrides comp.density (which may be "auto")."""
-    if density is None:
-        density = comp.density if comp.density != AUTO else START_DENSITY
-    return Compressor(layout, density=density, beta=comp.ef_beta, tile=comp.tile,
-                      index_coding=comp.index_coding, zstd=comp.zstd, undoable=undoable,
-                      table=QUANTIZER_TABLES[comp.quantizer])
+    return sparse_compressor(layout, comp, density=density, undoable=undoable)

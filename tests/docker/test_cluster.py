@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import requests
 from dockerlab import Lab, wait_for
 
 from geoloco.profiles import LinkProfile
@@ -23,6 +24,7 @@ WORKERS = 4
 ROUNDS = 14  # the cut and rejoin take up to ~6 fast rounds; the kill needs ROUNDS_AFTER_KILL after it
 DEADLINE_S = 25.0
 ROUNDS_AFTER_KILL = 2  # rounds that must close through the deadline after the kill
+FINISH_S = 300  # from the kill to the coordinator's exit: the rounds left, liveness and the finish
 PROFILES = ["40mbit/10ms", "20mbit/20ms/2ms", "10mbit/30ms", "16mbit/15ms/3ms"]
 STRAGGLERS = ["none", "none", "fixed:1.2", "none"]
 DISCONNECTED = 1  # worker id whose network is cut and restored
@@ -130,7 +132,11 @@ def _scenario(lab: Lab, run_dir: Path) -> Run:
     run.killed_at = run.closed()
     by_id[KILLED].kill()
 
-    run.coordinator_exit = coordinator.wait(timeout=600)["StatusCode"]
+    try:  # the rounds left close by the deadline at worst, and the finish waits DEADLINE_S
+        run.coordinator_exit = coordinator.wait(timeout=FINISH_S)["StatusCode"]
+    except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):  # the SDK's timeout
+        pytest.fail(f"the coordinator did not finish within {FINISH_S} s of the kill after round "
+                    f"{run.killed_at}; its log ends:\n{coordinator.logs(tail=60).decode(errors='replace')}")
     for wid, container in by_id.items():
         run.worker_exits[wid] = container.wait(timeout=60)["StatusCode"]
         run.logs[f"worker-{wid}"] = _worker_log(container)

@@ -1,12 +1,11 @@
 """Helpers for integration tests that start real ``geoloco`` processes on loopback: small
-configs, free ports, process groups that are always cleaned up, run-dir readers."""
+configs, the port a coordinator bound, process groups that are always cleaned up, run-dir readers."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,12 +34,6 @@ SMALL = {
 def set_flags(values: dict[str, Any]) -> list[str]:
     """``--set key=value`` for every item."""
     return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:

@@ -1,16 +1,18 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift, straggler_loss, overlap, heterogeneous), the security ones (fuzz_rpc, scale) and the
+ef_drift, straggler_loss, overlap, heterogeneous, broadcast), the security ones (fuzz_rpc, scale) and the
 codec's run end to end in their ``--quick`` form and end with one JSON line holding the figures
 they promise and where they come from (the corpus fingerprint and the software versions). Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
 (three real local runs), overlap and heterogeneous about a minute each under light load
-(three real local runs each), the in-process ones 10-25 s each."""
+(three real local runs each), the in-process ones 10-25 s each (broadcast about a minute under
+load: 8 runs and the frame sizes of a 3M-parameter layout)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +34,7 @@ KEYS = {
     "straggler_loss": {"rows", "worst_loss_gap", "seeds"},
     "overlap": {"comm50", "loss_vs_none", "loss_seeds"},
     "heterogeneous": {"uniform", "fixed", "auto+overlap", "links"},
+    "broadcast": {"rows", "ratio_mean_worst", "ratio_upper95_worst", "round_time", "rounds", "seeds"},
 }
 PROVENANCE = {"corpus", "versions"}  # every benchmark's last JSON line (benchmarks/provenance.py)
 RUN_DIR = {"wan", "overlap", "heterogeneous"}  # the benchmarks that take --run-dir
@@ -55,16 +58,24 @@ def test_quick_run_ends_with_json_line(name: str, tmp_path: Path) -> None:
 
 
 def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
-    """``--tune --quick`` writes a settings file; the evaluation reads it back and trains
-    DiLoCo and AdamW with the settings it names; every run lands in the cache once."""
+    """``--tune --quick`` writes a settings file; a second ``--tune`` of the same regime,
+    without the run cache, takes every grid point from that file and trains nothing; the
+    evaluation reads the file back and trains DiLoCo and AdamW with the settings it names;
+    every run lands in the cache once."""
     tuned, cache = tmp_path / "tuned.json", tmp_path / "cache"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    for extra in (["--tune"], []):
+    outputs, files = [], []
+    for extra in (["--tune"], ["--tune", "--cache", "none"], []):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.parity", "--quick", "--tuned", str(tuned),
                                "--cache", str(cache), *extra],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+        files.append(json.loads(tuned.read_text()))
+    trained = [len(re.findall(r"seed \d+ +loss", out)) for out in outputs[:2]]
+    assert trained[0] > 0 and trained[1] == 0 and "grid points from" in outputs[1], (trained, outputs[1])
+    assert (files[1]["tuned"], files[1]["losses"]) == (files[0]["tuned"], files[0]["losses"])
     chosen = json.loads(tuned.read_text())["tuned"]
     assert set(chosen) == {"sparseloco", "diloco", "adamw"} and "outer.lr" in chosen["diloco"], chosen
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -75,6 +86,7 @@ def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
     stored = [json.loads(f.read_text()) for f in cache.glob("*.json")]
     evaluated = {(r["label"], r["seed"]) for r in stored if r["seed"] in result["seeds"]}
     assert evaluated == {(m, s) for m in ("sparseloco", "diloco", "adamw") for s in result["seeds"]}, stored
+
 
 
 SECURITY_KEYS = {

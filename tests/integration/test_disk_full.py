@@ -1,6 +1,8 @@
 """Disk full on a real coordinator, its run dir on a small tmpfs the test mounts: a
 checkpoint that does not fit is one clear error line and leaves no partial folder, the
-rounds go on, and once there is room again the next checkpoint is written. The disk is
+rounds go on, and once there is room again the next checkpoint is written. With less room
+still, a round's close decision does not fit in the round log either: one error line, the
+rounds go on unlogged until a checkpoint covers them. The disk is
 filled, and checked for partial folders, only while the coordinator is stopped (SIGSTOP)
 between two checkpoints: nothing of it is being written then."""
 
@@ -21,7 +23,10 @@ from geoloco.coordinator import checkpoint
 
 pytestmark = pytest.mark.slow
 ROUNDS = 12
-MARGIN_BYTES = 256 << 10  # room left on the full disk: metrics lines fit, a checkpoint does not
+# room left on the full disk: metrics lines fit, a checkpoint (about 4 MB) does not, and
+# neither does, with the smaller margin, one round's entry in the round log (two frames of
+# gpt-tiny, about 41 kB); round-log entries that fit stop at the first that does not
+MARGINS = {"checkpoints": 256 << 10, "round log": 32 << 10}
 
 
 @pytest.fixture
@@ -76,8 +81,9 @@ def fill(disk: Path, leave: int) -> Path:
     return filler
 
 
+@pytest.mark.parametrize("full", sorted(MARGINS))
 def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes, small_disk: Path,
-                                                            tmp_path: Path) -> None:
+                                                            tmp_path: Path, full: str) -> None:
     run_dir = small_disk / "run"
     processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
                                     "--rounds", str(ROUNDS), "--run-dir", str(run_dir),
@@ -88,7 +94,7 @@ def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes
                                         "--device", "cpu", "--report-dir", str(tmp_path / "reports")])
     wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
     with between_checkpoints(processes, run_dir):
-        filler = fill(small_disk, MARGIN_BYTES)
+        filler = fill(small_disk, MARGINS[full])
     wait_until(lambda: error_lines(processes.log("coordinator")), 60, "a checkpoint to fail")
     full_at = len(metrics(run_dir))
     wait_until(lambda: len(metrics(run_dir)) >= full_at + 2, 60, "two more rounds on the full disk")
@@ -101,6 +107,8 @@ def test_a_full_disk_skips_checkpoints_and_training_goes_on(processes: Processes
     log = processes.log("coordinator")
     errors = error_lines(log)
     assert errors and all("No space left on device" in e and "training goes on" in e for e in errors), errors
+    if full == "round log":
+        assert any("not written to the round log" in e for e in errors), errors
     assert "Traceback" not in log
     assert [m["round"] for m in metrics(run_dir)] == list(range(ROUNDS))
     assert checkpoint.load(checkpoint.list_checkpoints(run_dir)[-1]).round == ROUNDS

@@ -4,6 +4,9 @@
   closing as soon as they decode, far before the deadline, and the survivors end on the
   coordinator's digest.
 - A ``fixed:4`` straggler under ``pgc-fr`` is never waited for.
+- ``quorum`` (n = 3, quorum 2, a fixed grace window): rounds close on the quorum once the
+  window has passed, with the mean of what arrived, without the straggler; and
+  every replica ends on the coordinator's digest.
 - ``gc-cr`` (n = 3, s = 1) trains s + 1 partitions per worker per round and finishes.
 - A frame that arrives after its round closed is dropped and counted as late.
 - ``benchmarks/stragglers.py --quick`` ends with its JSON line.
@@ -117,6 +120,23 @@ def test_fixed_straggler_is_not_waited_for_under_pgc_fr(processes: Processes, tm
     assert per_round <= summary["late_frames"] <= per_round + 1, (summary["late_frames"], per_round)
     assert summary["worst_case_coefficient"] == 1.0 and summary["coding_scheme"] == "pgc-fr"
     check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(4)), rounds)
+
+
+def test_quorum_closes_without_the_straggler_and_replicas_agree(processes: Processes, tmp_path: Path) -> None:
+    run_dir, rounds = tmp_path / "run", 5
+    run_local(processes, run_dir, 3, rounds, "quorum",
+              ["--straggler-profiles", "fixed:4,none,none", "--set", "coding.grace_s=0.2"])
+    lines = metrics(run_dir)
+    assert [m["round"] for m in lines] == list(range(rounds))
+    for m in lines:  # every arrived frame is in the mean: no coding, no choice among them
+        assert m["close_reason"] in ("quorum", "all arrived"), m
+        assert sorted(m["chosen"]) == sorted(m["arrived"]) and len(m["arrived"]) >= 2, m
+    quorum_rounds = [m for m in lines if m["close_reason"] == "quorum"]
+    assert quorum_rounds, "no round closed on the quorum: the 4x straggler was waited for every round"
+    assert all(0 not in m["arrived"] for m in quorum_rounds)  # the slow one is the one left out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["coding_scheme"] == "quorum" and summary["coding_stragglers"] == 1, summary
+    check_digests(run_dir, worker_reports(run_dir / "workers"), list(range(3)), rounds)
 
 
 def test_gc_cr_three_workers_trains_two_partitions_and_finishes(processes: Processes, tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ def run(tmp_path_factory) -> Observed:
     return scenario(tmp_path_factory.mktemp("hostile"))
 
 
-def test_the_health_service_answers_within_100ms_at_p99_under_attack(run: Observed, capsys) -> None:
+def test_the_health_service_answers_within_1s_at_p99_under_attack(run: Observed, capsys) -> None:
     latencies = sorted(run.health_s)
     p50, p99 = latencies[len(latencies) // 2], latencies[int(0.99 * (len(latencies) - 1))]
     with capsys.disabled():

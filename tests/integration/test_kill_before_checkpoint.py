@@ -9,15 +9,14 @@ hand: GEOLOCO_KILL_LOOPS=10)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 from run_processes import (
     SMALL,
     Processes,
+    coordinator_port,
     final_coordinator_digest,
-    free_port,
     metrics,
     set_flags,
     wait_until,
@@ -39,20 +38,22 @@ def coordinator_args(run_dir: Path, listen: str, *extra: str) -> list[str]:
 
 def kill_and_resume(processes: Processes, tmp_path: Path, loop: int) -> None:
     run_dir, reports = tmp_path / f"run-{loop}", tmp_path / f"reports-{loop}"
-    listen = f"127.0.0.1:{free_port()}"
     coordinator, resumed, workers = f"coordinator-{loop}", f"resumed-{loop}", []
-    processes.start(coordinator, coordinator_args(run_dir, listen))
+    processes.start(coordinator, coordinator_args(run_dir, "127.0.0.1:0"))
+    listen = f"127.0.0.1:{coordinator_port(run_dir)}"  # the port it bound: the resume binds it again
     for i in range(WORKERS):
         workers.append(f"worker-{loop}-{i}")
         processes.start(workers[-1], ["worker", "--coordinator", listen, "--device", "cpu",
                                       "--connect-timeout", "120", "--report-dir", str(reports)])
     joined = loop % 2 == 0  # every other kill lands during round 0, right after the Joins
-    if joined:
-        wait_until(lambda: processes.log(coordinator).count("joined from") == WORKERS, 180, "the Joins")
+    if joined:  # each worker's own line: its Join has its reply (a Join cut off by the kill
+        # is retried without the "connection lost" waited for below)
+        wait_until(lambda: all("joined as worker" in processes.log(name) for name in workers), 180, "the Joins")
     else:
         wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
     processes.kill(coordinator)
-    time.sleep(0.5)
+    wait_until(lambda: all("connection lost" in processes.log(name) for name in workers), 120,
+               "every worker to see its stream break")
     processes.start(resumed, coordinator_args(run_dir, listen, "--resume"))
 
     assert processes.wait(resumed, timeout=180) == 0, processes.log(resumed)[-3000:]

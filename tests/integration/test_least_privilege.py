@@ -32,6 +32,7 @@ from geoloco.metrics_server import MAX_CONNECTIONS, MetricsServer
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
+pytestmark = pytest.mark.slow
 TOKEN = "least-privilege-token"
 RPC_TIMEOUT_S = 30.0
 WRONG_JOINS = 1000

@@ -1,10 +1,15 @@
 """Sixteen workers against one real coordinator (issue 25, "many workers on one machine"):
 in-process workers on threads (a tiny model each, so sixteen fit 2 cores), real gRPC on
-loopback and real frames. Under the default scheme and under ``pgc-fr`` with s = 3 (four groups of four), every
+loopback and real frames. Under the default scheme and ``pgc-fr`` with s = 3 (four groups
+of four) with ``coordinator.broadcast = frames``, and ``gc-fr`` with ``aggregate`` (its
+CREDIT settlements are what the aggregate changes most; scheme ``none`` with ``aggregate``
+runs in real processes in test_round_log), every
 worker finishes, every replica ends on the coordinator's parameters bit for bit, the loss
-falls, and each worker's download is what ``coordinator.broadcast = frames`` sends: the
-round header and every kept worker's frame, so it grows with n (the aggregated round result
-that does not is issue 25's next part)."""
+falls, and each worker's download is what the mode sends: with ``frames`` the round header
+and every kept worker's frame, so it grows with n; with ``aggregate`` the header and one
+frame of the coordinator's, under two of the workers' frames whatever n (``gc-fr``: the
+group-mates of the chosen frames settle by CREDIT, with the mate's frame beside the
+aggregate)."""
 
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ TOKEN = "many-workers-test"
 pytestmark = pytest.mark.slow
 
 
-def train(run_dir: Path, scheme: str, stragglers: int) -> tuple[Coordinator, list[Worker], dict[int, int]]:
+def train(run_dir: Path, scheme: str, stragglers: int,
+          broadcast: str) -> tuple[Coordinator, list[Worker], dict[int, int]]:
     cfg = load_config(overrides={
         "workers": N, "rounds": ROUNDS, "seed": 0, "task.model": "gpt-tiny", "task.seq_len": 32,
         "task.batch_size": 2, "task.val_windows": 32, "task.corpus_bytes": 400_000,
@@ -34,7 +40,8 @@ def train(run_dir: Path, scheme: str, stragglers: int) -> tuple[Coordinator, lis
         "coding.scheme": scheme, "coding.stragglers": stragglers,
         "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
         "coordinator.checkpoint_every": 0, "coordinator.deadline_s": 600.0,
-        "coordinator.join_timeout_s": 600.0, "coordinator.liveness_s": 600.0})
+        "coordinator.join_timeout_s": 600.0, "coordinator.liveness_s": 600.0,
+        "coordinator.broadcast": broadcast})
     coordinator = Coordinator(cfg, run_dir)
     address = f"127.0.0.1:{coordinator.start()}"
     sessions = [Session(address, TOKEN, 120) for _ in range(N)]
@@ -44,9 +51,10 @@ def train(run_dir: Path, scheme: str, stragglers: int) -> tuple[Coordinator, lis
     return coordinator, workers, codes
 
 
-@pytest.mark.parametrize(("scheme", "stragglers"), [("none", 0), ("pgc-fr", 3)])
-def test_sixteen_workers_train_to_one_digest(tmp_path: Path, scheme: str, stragglers: int) -> None:
-    coordinator, workers, codes = train(tmp_path, scheme, stragglers)
+@pytest.mark.parametrize(("scheme", "stragglers", "broadcast"), [
+    ("none", 0, "frames"), ("pgc-fr", 3, "frames"), ("gc-fr", 3, "aggregate")])
+def test_sixteen_workers_train_to_one_digest(tmp_path: Path, scheme: str, stragglers: int, broadcast: str) -> None:
+    coordinator, workers, codes = train(tmp_path, scheme, stragglers, broadcast)
     assert codes == dict.fromkeys(range(N), 0), codes
     digests = {param_digest(w.theta) for w in workers}
     assert digests == {coordinator.digest()}, "a replica ended off the coordinator's parameters"
@@ -61,8 +69,15 @@ def test_sixteen_workers_train_to_one_digest(tmp_path: Path, scheme: str, stragg
     for m in lines:
         frames = {int(k): v for k, v in m["upload_bytes"].items()}
         chosen = sum(frames[i] for i in m["chosen"])
-        # frames mode: each worker is sent the round header and every chosen frame, its own
-        # included (none: all n; pgc-fr: a decodable set), a header of a few hundred bytes
-        assert chosen < m["download_bytes_per_worker"] < chosen + 16 * 1024, m
+        assert m["broadcast"] == broadcast, m
+        if broadcast == "frames":
+            # each worker is sent the round header and every chosen frame, its own included
+            # (none: all n; pgc-fr: a decodable set), a header of a few hundred bytes
+            assert chosen < m["download_bytes_per_worker"] < chosen + 16 * 1024, m
+        else:  # one frame at twice the workers' density, whatever n
+            assert m["download_bytes_per_worker"] < 2 * max(frames.values()) + 16 * 1024, m
+            assert m["download_bytes_per_worker"] < chosen / 2, m
         if scheme == "none":
             assert sorted(m["chosen"]) == list(range(N)), m
+    if scheme == "gc-fr":  # every round chose one frame per group: the others were CREDITed
+        assert all(len(m["chosen"]) == 4 for m in lines), lines

@@ -10,15 +10,14 @@ with equal digests. Cost: three local runs of 2 workers (about 25 s each) and tw
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 from run_processes import (
     SMALL,
     Processes,
+    coordinator_port,
     final_coordinator_digest,
-    free_port,
     metrics,
     set_flags,
     wait_until,
@@ -71,20 +70,13 @@ def start_worker(processes: Processes, address: str, report_dir: Path, name: str
                            "--connect-timeout", "60", "--report-dir", str(report_dir)])
 
 
-def read_port(run_dir: Path) -> int:
-    port_file = run_dir / "coordinator.port"
-    wait_until(lambda: port_file.exists() and port_file.read_text().strip().isdigit(), 60,
-               "the coordinator to write its port")
-    return int(port_file.read_text())
-
-
 def test_sigkilled_worker_comes_back_and_agrees(processes: Processes, tmp_path: Path) -> None:
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
     rounds = 8
     start_coordinator(processes, run_dir, "127.0.0.1:0", rounds,
                       {"coordinator.liveness_s": "3", "coordinator.deadline_s": "120",
                        "coordinator.checkpoint_every": "0"})
-    address = f"127.0.0.1:{read_port(run_dir)}"
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
     for i in range(WORKERS):
         start_worker(processes, address, reports, f"worker-{i}")
     wait_until(lambda: len(metrics(run_dir)) >= 2, 120, "two rounds to close")
@@ -115,14 +107,16 @@ def test_coordinator_killed_and_resumed_continues_with_equal_digests(
     processes: Processes, tmp_path: Path
 ) -> None:
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
-    rounds, listen = 7, f"127.0.0.1:{free_port()}"
+    rounds = 7
     extra = {"coordinator.checkpoint_every": "1", "coordinator.deadline_s": "60"}
-    start_coordinator(processes, run_dir, listen, rounds, extra)
+    start_coordinator(processes, run_dir, "127.0.0.1:0", rounds, extra)
+    listen = f"127.0.0.1:{coordinator_port(run_dir)}"  # the port it bound: the resume binds it again
     for i in range(WORKERS):
         start_worker(processes, listen, reports, f"worker-{i}")
     wait_until(lambda: len(metrics(run_dir)) >= 3, 120, "three rounds to close")
     processes.kill("coordinator")  # the workers hold a round in flight
-    time.sleep(1.0)
+    wait_until(lambda: all("connection lost" in processes.log(f"worker-{i}") for i in range(WORKERS)),
+               120, "every worker to see its stream break")
     start_coordinator(processes, run_dir, listen, rounds, extra, resume=True, name="coordinator-2")
 
     assert processes.wait("coordinator-2", timeout=180) == 0, processes.log("coordinator-2")[-3000:]

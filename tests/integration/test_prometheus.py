@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 import urllib.parse
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from run_processes import free_port
 
 import geoloco
 from geoloco.config import RunConfig, validate
@@ -47,6 +47,17 @@ def prometheus_binary() -> str:
         pytest.skip("no prometheus binary (apt-get install prometheus); "
                     f"{REQUIRE}=1 makes this a failure")
     return path
+
+
+def free_port() -> int:
+    """A port that was free a moment ago. Racy (another process may bind it before
+    Prometheus does), which is why only this module has it: Prometheus cannot listen on
+    port 0 and say which port it got, so Prometheus.wait_ready starts it again on another
+    port when its log says "address already in use". Our own processes listen on port 0
+    and write the port they bound (run_processes.coordinator_port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def get(url: str) -> bytes:

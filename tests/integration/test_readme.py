@@ -14,6 +14,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,9 +25,13 @@ import yaml
 
 from geoloco.cli import build_parser
 
-pytestmark = pytest.mark.slow
+# The module fixture runs every runnable command (the demo and three more trainings: about
+# 6 minutes on 2 idle cores) under the first test's timeout; under `make test`'s parallel
+# workers it takes twice that.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
+COMMAND_TIMEOUT_S = 600
 README = ROOT / "README.md"
 RUN = "run"
 # Each command line (its comment dropped, continuations joined) and what happens to it:
@@ -101,6 +106,21 @@ class Pasted:
         return next(r.stdout for c, r in self.outputs if c == name)
 
 
+def run_group(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """``argv`` run to its end in a session of its own, its output captured. On a timeout
+    or an interrupt (pytest-timeout's included) the whole session is killed: a local run's
+    coordinator and workers too, not only the command that started them."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=COMMAND_TIMEOUT_S)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def pasted(tmp_path_factory) -> Pasted:
     tree = tmp_path_factory.mktemp("readme") / "checkout"
@@ -123,14 +143,12 @@ def pasted(tmp_path_factory) -> Pasted:
             script = tree / f"readme_block_{python_blocks}.py"
             script.write_text(block.commands[0])
             name, argv = f"python block {python_blocks}", [sys.executable, str(script)]
-            outputs.append((name, subprocess.run(argv, cwd=tree, env=env, capture_output=True,
-                                                 text=True, timeout=600, check=False)))
+            outputs.append((name, run_group(argv, cwd=tree, env=env)))
             continue
         for command in block.commands:
             if COMMANDS.get(command) == RUN:
-                outputs.append((command, subprocess.run(["bash", "-c", f"set -euo pipefail\n{command}"],
-                                                        cwd=tree, env=env, capture_output=True, text=True,
-                                                        timeout=600, check=False)))
+                outputs.append((command, run_group(["bash", "-c", f"set -euo pipefail\n{command}"],
+                                                   cwd=tree, env=env)))
     return Pasted(tree, outputs)
 
 

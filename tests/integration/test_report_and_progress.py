@@ -113,6 +113,22 @@ def _empty_png_bytes() -> int:
     return len(buf.getvalue())
 
 
+def _legend_entry_pixels(color: str, path: Path) -> int:
+    """Pixels of ``color`` in a figure of the report's size whose only drawing is one
+    legend entry of a run's solid loss line, as plot_loss draws it (width 2, fontsize 8)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE)
+    ax.plot([], [], "-", color=color, linewidth=2, label="run val")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return _pixels_of(path, color)
+
+
 def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, tmp_path) -> None:
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "geoloco.cli", "report", str(sparseloco_run[0]), str(diloco_run),
@@ -125,12 +141,15 @@ def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, 
     empty = _empty_png_bytes()  # about 7.4 kB at 640 x 360
     assert all((out / p).stat().st_size > empty for p in pngs), empty
     for plot in ("loss-vs-time.png", "loss-vs-bytes.png"):
-        for color in RUN_COLORS[:2]:  # a line of each run, not only its legend entry
-            # a legend entry alone is 40 pixels of its colour at FIGSIZE and DPI. A run's
-            # line spans only its own share of the axes: on loss-vs-bytes (log x) each run's 3
-            # points (cumulative bytes, 1x to 3x) cover half a decade of the ~3 the two runs
-            # span; DiLoCo's drew 186 pixels once. Over 3 legend entries is a drawn line.
-            assert _pixels_of(out / plot, color) > 3 * 40, (plot, color)
+        for color in RUN_COLORS[:2]:  # a line of each run, not only its legend entries
+            # a run's legend is its val entry (about 40 pixels of its colour at FIGSIZE and
+            # DPI) and its dotted train entry (about 12). A run's line spans only its own
+            # share of the axes: on loss-vs-bytes (log x) each run's 3 points (cumulative
+            # bytes, 1x to 3x) cover half a decade of the ~3 the two runs span; DiLoCo's drew
+            # 186 pixels once. Over 3 val legend entries is a drawn line.
+            entry = _legend_entry_pixels(color, tmp_path / "legend.png")
+            assert entry > 0, color  # the measure sees the colour
+            assert _pixels_of(out / plot, color) > 3 * entry, (plot, color, entry)
     text = (out / "report.md").read_text()
     assert "| sparseloco | sparseloco | 3 |" in text and "| diloco | diloco | 3 |" in text
     for p in pngs:

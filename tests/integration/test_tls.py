@@ -20,6 +20,7 @@ from geoloco.coordinator.app import Coordinator
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
+pytestmark = pytest.mark.slow
 TOKEN = "tls-test-token"
 RPC_TIMEOUT_S = 30.0
 JOIN = "/geoloco.v1.Coordinator/Join"

@@ -16,6 +16,7 @@ from run_processes import ROOT, TOKEN, Processes
 from geoloco.config import load_config
 from geoloco.coordinator.app import Coordinator
 
+pytestmark = pytest.mark.slow
 MARKS = "GEOLOCO_TEST_IMPORT_MARKS"
 
 

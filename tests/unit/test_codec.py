@@ -287,6 +287,7 @@ def test_apply_to_module_parameters_in_place():
         assert torch.equal(p.detach(), b - u)
 
 
+@pytest.mark.slow  # a python process that imports torch
 def test_codec_without_numba_gives_the_same_bytes_and_values(tmp_path):
     """Where numba is missing, the torch reference encodes and decodes: a process that
     cannot import numba makes the same frame and decodes it the same way."""

