@@ -17,6 +17,8 @@ of the same seed, with the spread (sample sd) of that ratio. Target: within 1 %.
 
     python -m benchmarks.straggler_loss           # n = 8, s = 1, 5 seeds, 40 rounds of H = 15
     python -m benchmarks.straggler_loss --quick   # n = 4, tiny runs: a smoke test
+    python -m benchmarks.straggler_loss --schemes none,gc-cr --set outer.aggregation=mean --seeds 2
+                                                  # a diagnostic: some schemes, other settings
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from benchmarks import ef_drift
 from benchmarks.inprocess import Stragglers, simulate
-from benchmarks.parity import upper95
+from benchmarks.parity import pairs, upper95
 from benchmarks.provenance import provenance
 from geoloco.config import load_config
 from geoloco.coordinator.gradient_coding import make_code
@@ -58,6 +60,17 @@ class Scheme:
 SCHEMES = (Scheme("none"), Scheme("ignore"), Scheme("gc-fr"), Scheme("gc-cr"), Scheme("pgc-fr"),
            Scheme("pgc-cr", aligned=False), Scheme("pgc-cr", aligned=True))
 QUICK_SCHEMES = (Scheme("none"), Scheme("gc-fr"), Scheme("pgc-cr", aligned=False))
+
+
+def chosen_schemes(labels: str | None) -> tuple[Scheme, ...]:
+    """The schemes ``--schemes`` names, ``none`` (the reference) first; every scheme for None."""
+    if labels is None:
+        return SCHEMES
+    by_label = {sc.label: sc for sc in SCHEMES}
+    unknown = [label for label in labels.split(",") if label not in by_label]
+    if unknown:
+        raise ValueError(f"--schemes: {unknown[0]!r} is not one of {', '.join(by_label)}")
+    return tuple(sc for sc in SCHEMES if sc.name == "none" or sc.label in labels.split(","))
 
 
 def slow_half(n: int, seed: int) -> Stragglers:
@@ -98,16 +111,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-windows", type=int, default=1024)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--schemes", default=None, metavar="LABELS",
+                   help=f"comma-separated, of: {', '.join(sc.label for sc in SCHEMES)} (none is always run)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a config override for every scheme's runs, none's included (repeatable)")
     p.add_argument("--quick", action="store_true", help="n = 4, 3 schemes, 3 rounds of H = 2: a smoke test")
     args = p.parse_args(argv)
-    todo, drift_rounds = SCHEMES, DRIFT_ROUNDS
+    try:
+        todo, overrides = chosen_schemes(args.schemes), pairs(args.overrides)
+    except ValueError as exc:
+        p.error(str(exc))
+    drift_rounds = DRIFT_ROUNDS
     if args.quick:
         args.workers, args.rounds, args.inner_steps, args.seq_len, args.batch_size = 4, 3, 2, 16, 2
-        args.val_windows, args.seeds, todo, drift_rounds = 8, 2, QUICK_SCHEMES, 6
+        args.val_windows, args.seeds, drift_rounds = 8, 2, 6
+        todo = todo if args.schemes else QUICK_SCHEMES
     start = time.monotonic()
     base = {"workers": args.workers, "rounds": args.rounds, "inner.steps": args.inner_steps,
             "inner.warmup_steps": round(0.15 * args.rounds * args.inner_steps), "task.seq_len": args.seq_len,
-            "task.batch_size": args.batch_size, "task.val_windows": args.val_windows}
+            "task.batch_size": args.batch_size, "task.val_windows": args.val_windows, **overrides}
     divisible = args.workers % (args.stragglers + 1) == 0  # FR and aligned CR need (s + 1) | n
     schemes = [sc for sc in todo if divisible or not (sc.name.endswith("-fr") or sc.aligned)]
     jobs = [(sc, base, args.stragglers, seed) for seed in range(args.seeds) for sc in schemes]
@@ -147,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"rows": rows, "worst_loss_gap": round(worst, 4), "workers": args.workers,
                       "stragglers": args.stragglers, "rounds": args.rounds, "inner_steps": args.inner_steps,
                       "seeds": list(range(args.seeds)), "slow_share": SLOW_SHARE, "drift_rounds": drift_rounds,
+                      "overrides": overrides,
                       "wall_s": round(time.monotonic() - start, 1), **provenance(cfg.task)}))
     return 0
 

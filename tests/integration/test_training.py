@@ -60,7 +60,11 @@ def check_loss_went_down(run_dir: Path, lines: list[dict]) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rounds"] == ROUNDS
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 0.3, summary
-    assert lines[-1]["val_loss"] < lines[0]["val_loss"]
+    # the last round always validates; the others only while a validation costs little
+    # beside a round (coordinator.val_every's default), so under load some have none
+    measured = [m["val_loss"] for m in lines if m["val_loss"] is not None]
+    assert lines[-1]["val_loss"] == summary["final_val_loss"] == measured[-1]
+    assert len(measured) == 1 or measured[-1] < measured[0], measured
     assert summary["digest_mismatches"] == 0
     return summary
 
