@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio_upper95": round(upper95(ratios), 4) if len(ratios) > 1 else None,
                      "drift": round(d, 4)})
     coded = [r for r in rows if r["scheme"] != "none"]
-    worst = max(abs(r["ratio_mean"] - 1) for r in coded)
+    worst = max((abs(r["ratio_mean"] - 1) for r in coded), default=0.0)
     print(f"worst |coded / uncoded - 1| = {worst:.4f} (target <= {TARGET}: {'met' if worst <= TARGET else 'NOT met'}); "
           f"drift: ef_drift's definition, {drift_rounds} rounds of synthetic pseudo-gradients")
     cfg = load_config(overrides={**base})

@@ -106,7 +106,7 @@ class Coordinator:
         if resume:
             start_round, totals, guard_norms = _restore(self.run_dir, self.layout, params, outer, registry)
         totals.extra.update(coding_summary(self.code))
-        note = aggregation_note(cfg)
+        note = aggregation_note(cfg, self.code)
         if note is not None:
             log.info(note)
         totals.extra["aggregation"] = cfg.outer.aggregation if note is None else "sum (weighted)"

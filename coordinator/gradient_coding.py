@@ -57,6 +57,7 @@ class GradientCode(ABC):
         self.s = s
         self.B = np.asarray(B, dtype=np.float64)
         self.pipelined = name.startswith("pgc-")
+        self.stale_overlap = False  # pgc-cr: overlapping frames of versions of different ages
         self._orders = tuple(tuple(int(j) for j in order) for order in orders)
         self._held = tuple(tuple(sorted(order)) for order in self._orders)
 
@@ -219,6 +220,7 @@ class CyclicRepetition(GradientCode):
             raise ValueError(f"aligned ages need (s + 1) to divide n; got n={n}, s={s}")
         self.aligned = aligned
         super().__init__(name, n, s, best_B, aligned_orders(n, s) if aligned else cyclic_orders(n, s))
+        self.stale_overlap = self.pipelined
         self.worst_case_coefficient = best_worst
         self.worst_case_exhaustive = exhaustive
 

@@ -48,13 +48,16 @@ class Decision:
     ``disjoint``: the chosen rows B[i] are 0/1, no two share a partition, all cover as many
     and all have the same coefficient, so each chosen frame stands for the same number of
     partitions and SparseLoCo's per-coordinate mean over the frames that kept it is exact
-    (B = I, ``ignore``, one frame per FR group).
+    (B = I, ``ignore``, one frame per FR group). ``stale_overlap``: the chosen frames overlap
+    and carry versions of different ages (``pgc-cr``), whose loss a per-coordinate mean
+    over keepers made worse (``coordinator.outer.mean_weights``).
     """
 
     coefficients: dict[int, float]
     covered: int
     reason: str  # one of CLOSE_REASONS
     disjoint: bool = False
+    stale_overlap: bool = False
 
     @property
     def exact(self) -> bool:
@@ -105,10 +108,11 @@ class CodePolicy:
         if decoded is not None:
             reason = "all arrived" if len(arrived) == self.code.n else "decodable"
             kept = {i: a for i, a in decoded.items() if a != 0.0}
-            return Decision(kept, self.code.n, reason, disjoint_rows(self.code.B, kept))
+            return Decision(kept, self.code.n, reason, disjoint_rows(self.code.B, kept), self.code.stale_overlap)
         if deadline_passed:
             coefficients, covered = deadline_decoding(self.code.B, arrived)
-            return Decision(coefficients, covered, "deadline", disjoint_rows(self.code.B, coefficients))
+            return Decision(coefficients, covered, "deadline", disjoint_rows(self.code.B, coefficients),
+                            self.code.stale_overlap)
         return None
 
     def settlement(self, decision: Decision, worker: int) -> pb.Settlement:

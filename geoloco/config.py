@@ -135,7 +135,8 @@ class OuterConfig:
     lr: float | None = None  # the outer SGD learning rate (None: the method's default)
     momentum: float | None = None  # Nesterov momentum of the outer SGD (None: the method's default)
     # mean_kept (SparseLoCo's rule): each coordinate is the mean over the frames that kept
-    # it, wherever that is exact (uncoded, ignore, FR; cyclic codes take the weighted sum);
+    # it, exact for uncoded, ignore, quorum and FR, the same estimate for gc-cr (pgc-cr,
+    # whose overlapping frames carry versions of different ages, takes the weighted sum);
     # mean: the weighted sum of the frames divided by all n partitions, always
     aggregation: str = "mean_kept"
     # none: wait for round t's result before round t+1's inner steps; delayed: push and go

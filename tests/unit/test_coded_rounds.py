@@ -95,25 +95,36 @@ def test_decoded_update_is_minus_lr_times_the_mean_pseudo_gradient(scheme: str) 
     ("ignore", [0, 2, 3], "mean_kept", [1.0] * 3),  # the mean over the arrived keepers
     ("gc-fr", [1, 2, 3], "mean_kept", [0.5, 0.5]),  # one frame per group, each of 2 partitions
     ("pgc-fr", [0, 3], "mean_kept", [0.5, 0.5]),
-    ("gc-cr", [0, 1, 2], "sum", None),  # overlapping weighted rows: the weighted sum
-    ("pgc-cr", [0, 1, 3], "sum", None),
+    ("gc-cr", [0, 1, 2], "mean_kept", "a |F| / n"),  # overlapping weighted rows: the same estimate
+    ("pgc-cr", [0, 1, 3], "sum", "a / n"),  # overlapping frames of several ages: the weighted sum
 ])
-def test_mean_kept_where_exact_and_the_weighted_sum_elsewhere(scheme, arrived, mode, weights) -> None:
+def test_mean_kept_except_for_pgc_cr_and_the_weighted_sum_there(scheme, arrived, mode, weights) -> None:
     decision = CodePolicy(make_code(scheme, N, 0 if scheme == "none" else S)).decide(arrived, False)
     got, got_mode = mean_weights(decision, "mean_kept")
     assert got_mode == mode
-    if weights is None:
-        assert got == pytest.approx([a / N for _, a in sorted(decision.coefficients.items())])
+    a = [c for _, c in sorted(decision.coefficients.items())]
+    if weights == "a |F| / n":  # a coordinate every frame kept: sum_i a_i m_i / n, the exact mean
+        assert got == pytest.approx([c * len(a) / N for c in a]) and len(set(a)) > 1
+    elif weights == "a / n":
+        assert got == pytest.approx([c / N for c in a])
     else:
         assert got == pytest.approx(weights)
     assert mean_weights(decision, "mean")[1] == "sum"
 
 
-def test_the_cyclic_codes_say_they_take_the_weighted_sum() -> None:
-    cfg = load_config(overrides={"workers": "4", "coding.scheme": "gc-cr", "coding.stragglers": "1"})
-    assert cfg.outer.aggregation == "mean_kept" and "weighted sum" in aggregation_note(cfg)
-    assert aggregation_note(load_config(overrides={"workers": "4", "coding.scheme": "pgc-fr",
-                                                   "coding.stragglers": "1"})) is None
+def test_a_deadline_with_nothing_arrived_is_an_empty_weighted_sum() -> None:
+    decision = CodePolicy(make_code("gc-cr", N, S)).decide([], True)
+    assert decision is not None and not decision.coefficients
+    assert mean_weights(decision, "mean_kept") == ([], "sum")
+
+
+def test_only_pgc_cr_says_it_takes_the_weighted_sum() -> None:
+    def note(scheme: str) -> str | None:
+        cfg = load_config(overrides={"workers": "4", "coding.scheme": scheme, "coding.stragglers": "1"})
+        return aggregation_note(cfg, make_code(scheme, 4, 1))
+    assert "weighted sum" in note("pgc-cr")
+    assert note("gc-cr") is None and note("pgc-fr") is None
+    assert make_code("pgc-cr", 4, 1, aligned=True).stale_overlap  # aligned ages: measured worse too
 
 
 @pytest.mark.parametrize("scheme, arrived, deadline, want", [
