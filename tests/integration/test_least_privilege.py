@@ -23,6 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PromCounter
+from run_processes import wait_until
 
 from geoloco import certs, transport
 from geoloco.config import load_config
@@ -154,6 +155,9 @@ def rss_bytes() -> int:
 
 
 def test_a_hundred_stalled_joins_stay_within_a_memory_bound(plain) -> None:
+    # the coordinator's start-up (its first validation: torch's first forward pass in this
+    # process) allocates too; under load it ran into the attack's window and counted
+    wait_until(lambda: plain.state.totals.initial_val_loss is not None, 300, "the initial validation")
     before = rss_bytes()
     attacker = subprocess.Popen(
         [sys.executable, str(HERE / "stalled_joins.py"), f"127.0.0.1:{plain.port}", "--calls", str(STALLED),
