@@ -85,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="question 2's layout: GPT-2 124M, or --model's (--quick: a 3M-parameter GPT-2)")
     p.add_argument("--coordinator-uplink-mbps", type=float, default=1000.0)
     p.add_argument("--worker-link-mbps", type=float, default=100.0, help="each worker's upload and download")
+    p.add_argument("--broadcast-density", type=float, default=None,
+                   help="coordinator.broadcast_density of the aggregate runs (default: the config's)")
     p.add_argument("--only", choices=("loss", "round-time"), default=None, help="one question (default both)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--quick", action="store_true", help="n = 2, 4, 2 seeds, 3 rounds of H = 2: a smoke test")
@@ -102,7 +104,8 @@ def run_config(args: argparse.Namespace, n: int, mode: str, seed: int = 0) -> Ru
         "task.seq_len": args.seq_len, "task.batch_size": args.batch_size, "task.val_windows": args.val_windows,
         "task.partitioning": "iid", "inner.steps": args.inner_steps,
         "inner.warmup_steps": round(args.warmup * args.rounds * args.inner_steps),
-        "compression.method": "sparseloco", "coding.scheme": "none", "coordinator.broadcast": mode})
+        "compression.method": "sparseloco", "coding.scheme": "none", "coordinator.broadcast": mode,
+        "coordinator.broadcast_density": args.broadcast_density})
 
 
 def run_one(cfg: RunConfig) -> dict[str, float]:
