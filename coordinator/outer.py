@@ -66,8 +66,8 @@ def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str
     ``mean_kept``: weights a_i · |chosen| / covered with mode ``mean_kept``, so a coordinate
     every chosen frame kept gets Σ_i a_i m_i / covered, the mean over the covered
     partitions, and one kept by fewer the mean over those frames: SparseLoCo's rule, exact
-    where the frames are disjoint plain sums of k partitions (``decision.disjoint``: B = I,
-    FR: weights 1 / k), and for gc-cr the same estimate (measured: a weighted sum cost it
+    where the frames are disjoint plain sums of k partitions (B = I, ``ignore``, one
+    frame per FR group: weights 1 / k), and for gc-cr the same estimate (measured: a weighted sum cost it
     13 % of loss, docs/decisions.md). Not for pgc-cr, whose overlapping frames carry
     versions of different ages (``decision.stale_overlap``: the mean over keepers cost it
     more loss than the sum, on both its orders), nor with ``mean``: the weighted sum

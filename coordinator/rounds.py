@@ -45,10 +45,7 @@ class Decision:
 
     ``coefficients`` are the decoding coefficients a_i with sum_i a_i m_i equal to the sum
     of ``covered`` partitions' pseudo-gradients, so the mean is sum_i (a_i / covered) m_i.
-    ``disjoint``: the chosen rows B[i] are 0/1, no two share a partition, all cover as many
-    and all have the same coefficient, so each chosen frame stands for the same number of
-    partitions and SparseLoCo's per-coordinate mean over the frames that kept it is exact
-    (B = I, ``ignore``, one frame per FR group). ``stale_overlap``: the chosen frames overlap
+    ``stale_overlap``: the chosen frames overlap
     and carry versions of different ages (``pgc-cr``), whose loss a per-coordinate mean
     over keepers made worse (``coordinator.outer.mean_weights``).
     """
@@ -56,7 +53,6 @@ class Decision:
     coefficients: dict[int, float]
     covered: int
     reason: str  # one of CLOSE_REASONS
-    disjoint: bool = False
     stale_overlap: bool = False
 
     @property
@@ -108,11 +104,10 @@ class CodePolicy:
         if decoded is not None:
             reason = "all arrived" if len(arrived) == self.code.n else "decodable"
             kept = {i: a for i, a in decoded.items() if a != 0.0}
-            return Decision(kept, self.code.n, reason, disjoint_rows(self.code.B, kept), self.code.stale_overlap)
+            return Decision(kept, self.code.n, reason, self.code.stale_overlap)
         if deadline_passed:
             coefficients, covered = deadline_decoding(self.code.B, arrived)
-            return Decision(coefficients, covered, "deadline", disjoint_rows(self.code.B, coefficients),
-                            self.code.stale_overlap)
+            return Decision(coefficients, covered, "deadline", self.code.stale_overlap)
         return None
 
     def settlement(self, decision: Decision, worker: int) -> pb.Settlement:
@@ -184,7 +179,7 @@ class QuorumPolicy:
     @staticmethod
     def mean(arrived: list[int], reason: str) -> Decision:
         """Every arrived frame with a_i = 1 over the |F| partitions they cover: their mean."""
-        return Decision(dict.fromkeys(sorted(arrived), 1.0), len(arrived), reason, disjoint=True)
+        return Decision(dict.fromkeys(sorted(arrived), 1.0), len(arrived), reason)
 
 
 def close_policy(code: GradientCode, coding: CodingConfig) -> ClosePolicy:
@@ -222,20 +217,6 @@ def worker_task(code: GradientCode, worker: int, round: int, rounds: int) -> pb.
         round=round, train_partitions=code.partition_at(worker, round),
         send_partitions=[j for j, _ in coeffs], send_coefficients=[c for _, c in coeffs],
     )
-
-
-def disjoint_rows(B: np.ndarray, coefficients: dict[int, float]) -> bool:
-    """Whether the chosen workers' rows B[i] are 0/1, pairwise disjoint and of one size,
-    and their coefficients all equal (so each chosen frame is the plain sum of as many
-    partitions, weighted alike: B = I, ``ignore``'s n / |F|, one frame per FR group)."""
-    if not coefficients:
-        return False
-    rows = B[sorted(coefficients)]
-    a = np.array(list(coefficients.values()))
-    unit = np.all((rows == 0.0) | (rows == 1.0))
-    sizes = rows.sum(axis=1)
-    return bool(unit and rows.sum(axis=0).max() <= 1.0 and np.all(sizes == sizes[0])
-                and np.allclose(a, a[0], rtol=1e-12, atol=0.0))
 
 
 def deadline_decoding(B: np.ndarray, arrived: list[int]) -> tuple[dict[int, float], int]:

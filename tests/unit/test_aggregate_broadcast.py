@@ -48,7 +48,7 @@ def worker_frames(lay: Layout, n: int, round_: int) -> list[Arrival]:
 
 
 def step(outer: SparseLoCoOuter, arrivals: list[Arrival], round_: int):
-    decision = Decision({a.worker: 1.0 for a in arrivals}, len(arrivals), "all arrived", disjoint=True)
+    decision = Decision({a.worker: 1.0 for a in arrivals}, len(arrivals), "all arrived")
     return outer.step(round_, [(a, 1.0) for a in arrivals], decision)
 
 

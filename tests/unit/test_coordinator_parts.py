@@ -30,8 +30,8 @@ def dense_arrival(lay: Layout, worker: int, round: int, seed: int) -> tuple[Arri
 def test_wait_for_all_closes_only_when_all_arrived_or_at_the_deadline():
     policy = CodePolicy(make_code("none", 3, 0))
     assert policy.decide([0, 1], deadline_passed=False) is None
-    assert policy.decide([0, 1, 2], False) == Decision({0: 1.0, 1: 1.0, 2: 1.0}, 3, "all arrived", True)
-    assert policy.decide([2, 0], True) == Decision({0: 1.0, 2: 1.0}, 2, "deadline", True)
+    assert policy.decide([0, 1, 2], False) == Decision({0: 1.0, 1: 1.0, 2: 1.0}, 3, "all arrived")
+    assert policy.decide([2, 0], True) == Decision({0: 1.0, 2: 1.0}, 2, "deadline")
     assert policy.decide([], True) == Decision({}, 0, "deadline")
 
 
@@ -74,9 +74,8 @@ def test_sparseloco_broadcasts_the_workers_frames_with_mean_weights():
     update = outer.step(0, [(a, 1.0) for a in arrivals], decision)
     assert [f.data for f in update.frames] == [a.data for a in arrivals]
     assert [f.weight for f in update.frames] == [0.5, 0.5] and update.alpha == -1.0
-    disjoint = Decision({0: 1.0, 1: 1.0}, 2, "all arrived", disjoint=True)
     kept = SparseLoCoOuter(lay, OuterConfig(lr=1.0, momentum=0.0, aggregation="mean_kept"))
-    update = kept.step(0, [(a, 1.0) for a in arrivals], disjoint)
+    update = kept.step(0, [(a, 1.0) for a in arrivals], decision)
     assert update.mode == "mean_kept" and [f.weight for f in update.frames] == [1.0, 1.0]
     stale = Decision({0: 1.0, 1: 1.0}, 2, "all arrived", stale_overlap=True)
     assert kept.step(0, [(a, 1.0) for a in arrivals], stale).mode == "sum"  # pgc-cr: see mean_weights
