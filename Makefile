@@ -34,7 +34,7 @@ test: venv
 
 # the flake hunt: the integration suite 3 times in a row with every core busy-looping
 test-stress: venv
-	$(BIN)/python tests/stress.py --runs 3
+	$(BIN)/python tests/stress.py --runs 3 -- -n $(XDIST)
 
 lint: venv
 	$(BIN)/ruff check .

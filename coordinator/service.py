@@ -160,9 +160,9 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             log.warning("join from %s refused: %s", context.peer(), exc)
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
             raise  # unreachable: abort raises
-        log.info("worker %d %s from %s (%s), round %d", record.worker_id,
+        log.info("worker %d %s from %s at %s (%s), round %d", record.worker_id,
                  "reclaimed its id" if reclaim is not None else "joined",
-                 hostname or "?", device or "?", current)
+                 hostname or "?", context.peer(), device or "?", current)
         return pb.JoinReply(
             worker_id=record.worker_id, session=record.session,
             run_config_json=self.cfg.to_json(), current_round=current,

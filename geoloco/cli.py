@@ -67,6 +67,7 @@ WORKER_FLAGS = {
     "connect_timeout": "worker.connect_timeout_s", "tls_server_name": "tls.server_name",
     "precision": "worker.precision", **TLS_FLAGS,
     "metrics_port": "monitoring.worker_metrics_port", "metrics_host": "monitoring.metrics_host",
+    "nproc_per_node": "worker.nproc_per_node", "parallel": "worker.parallel",
 }
 # fields that hold secrets: a command line is visible to every user of the machine (ps)
 COMMAND_LINE_SECRETS = ("coordinator.token",)
@@ -225,6 +226,10 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--wan-emulate", metavar="PROFILE",
                    help="relay through an in-process link emulator with this profile (for hosts without netem)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, and the codec's (default 1)")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="run this worker as an island of N ranks on this host (one per GPU): one "
+                   "worker id and gRPC session (rank 0's); task.batch_size is the island's batch")
+    p.add_argument("--parallel", choices=("ddp",), help="how an island's ranks share the inner phase")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
     p.add_argument("--state-dir", metavar="DIR",
                    help="keep this worker's own state (error feedback, inner AdamW state, data "
@@ -356,12 +361,14 @@ def resolve_config(args: argparse.Namespace, flags: dict[str, str],
     return cfg
 
 
-def configure_logging(log_file: str | None, verbose: bool = False) -> None:
+def configure_logging(log_file: str | None, verbose: bool = False, rank: int | None = None) -> None:
+    """Log to stderr and ``log_file``; an island's ``rank`` tags each line."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT,
+    fmt = LOG_FORMAT if rank is None else LOG_FORMAT.replace("%(name)s", f"[rank {rank}] %(name)s")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=fmt,
                         handlers=handlers, force=True)
 
 
@@ -402,8 +409,14 @@ def _run_worker(args: argparse.Namespace) -> int:
     cfg = resolve_config(args, WORKER_FLAGS)
     if args.wan_emulate:
         _check_profile(args.wan_emulate)
-    token = require_token(cfg)
-    configure_logging(args.log_file, args.verbose)
+    from geoloco.worker import island as islands
+
+    island = islands.Island.from_env(cfg.worker.parallel)  # a rank that torchrun or launch started
+    if island is None and cfg.worker.nproc_per_node > 1:
+        configure_logging(args.log_file, args.verbose)
+        return islands.launch(args.argv, cfg.worker.nproc_per_node)
+    token = require_token(cfg) if island is None or island.leader else ""  # rank 0 joins
+    configure_logging(args.log_file, args.verbose, island.rank if island else None)
     from geoloco.worker.admission import Admission
     from geoloco.worker.app import run_worker
 
@@ -414,6 +427,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         identity_file=args.identity_file, tls=cfg.tls, precision=cfg.worker.precision,
         metrics=_worker_metrics(cfg), state_dir=args.state_dir, state_every=cfg.worker.state_every,
         admission=Admission(cfg.worker.allow_config_code, tuple(cfg.worker.allowed_paths)),
+        island=island,
     )
 
 

@@ -31,6 +31,7 @@ QUANTIZERS = ("two-level", "four-bin")
 DENSE_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
+PARALLEL_MODES = ("ddp",)  # worker.parallel (an island's ranks)
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
@@ -258,6 +259,13 @@ class WorkerConfig:
     # examples turn it on
     allow_config_code: bool = False
     allowed_paths: list[str] = field(default_factory=list)  # folders (or files) it may read
+    # an island: this many processes (ranks) on this host train as one worker, one slot and
+    # one gRPC session (rank 0's); task.batch_size is the island's batch, each rank takes an
+    # equal share of it (docs/deploy.md, "A region as one worker")
+    nproc_per_node: int = 1
+    # how an island's ranks share the inner phase: ddp (each holds the whole model; the
+    # gradients are averaged before every inner step)
+    parallel: str = "ddp"
 
 
 @dataclass
@@ -404,6 +412,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_choice("worker.device", cfg.worker.device, DEVICES)
     _check_choice("worker.precision", cfg.worker.precision, PRECISIONS)
     _check_range("worker.connect_timeout_s", cfg.worker.connect_timeout_s, 0.1, 1e6)
+    _check_range("worker.nproc_per_node", cfg.worker.nproc_per_node, 1, 1024)
+    _check_choice("worker.parallel", cfg.worker.parallel, PARALLEL_MODES)
     if cfg.worker.state_every is not None:
         _check_range("worker.state_every", cfg.worker.state_every, 0, 10**7)
     _check_address("worker.coordinator", cfg.worker.coordinator)

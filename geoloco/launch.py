@@ -294,8 +294,14 @@ class LocalRun:
                 "--report-dir", str(self.run_dir / WORKERS_DIR),
                 "--state-dir", str(worker_state_dir(self.run_dir, i)), *self._state_every_args(),
                 "--wait-for", str(self.run_dir / WORKERS_DIR / f"gate-{i}"), *self._worker_metrics_args(i),
+                *self._island_args(),
                 # its own coordinator: the run config's model and paths are this user's own
                 "--set", "worker.allow_config_code=true"]
+
+    def _island_args(self) -> list[str]:
+        """worker.nproc_per_node > 1: every worker an island of that many ranks."""
+        ranks = self.cfg.worker.nproc_per_node
+        return [] if ranks == 1 else ["--nproc-per-node", str(ranks), "--parallel", self.cfg.worker.parallel]
 
     def _state_every_args(self) -> list[str]:
         """worker.state_every of the run config, for the workers' own saves."""

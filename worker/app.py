@@ -6,8 +6,10 @@ fails (1) or is interrupted (130); and WorkerThread, a worker that a script star
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,17 +17,19 @@ from pathlib import Path
 import torch
 
 from geoloco.compression import set_codec_threads
-from geoloco.config import TOKEN_ENV, ConfigError, TlsConfig
+from geoloco.config import TOKEN_ENV, ConfigError, RunConfig, TlsConfig, validate
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
+from geoloco.tasks import build_task
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker.admission import Admission
+from geoloco.worker.island import Island, IslandError
 from geoloco.worker.loop import Worker
 from geoloco.worker.prometheus import worker_registry
 from geoloco.worker.session import Session, read_identity
-from geoloco.worker.trainer import InnerStep
+from geoloco.worker.trainer import InnerStep, InnerTrainer, TrainingStopped
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +52,7 @@ def run_worker(
     state_dir: str | Path | None = None,
     state_every: int | None = None,
     admission: Admission | None = None,
+    island: Island | None = None,
 ) -> int:
     """Run one worker against ``coordinator`` (HOST:PORT); returns the process exit code.
     ``wan_emulate`` puts a link emulator relay with that profile in front of the address;
@@ -58,9 +63,43 @@ def run_worker(
     ``admission``: what the coordinator's run config may make it do (geoloco.worker.admission;
     None: anything);
     ``tls``: the channel's security (geoloco.tls.channel_security: TLS unless plaintext is
-    allowed there)."""
+    allowed there); ``island``: this process is a rank of an island of ranks
+    (geoloco.worker.island): rank 0 runs the worker, the others train as it says."""
     torch.set_num_threads(threads)  # the inner loop's (docs/decisions.md, "Thread policy")
     set_codec_threads(threads)
+    if island is not None:
+        device = island.start(device).type
+        if not island.leader:
+            try:
+                return follow(island, precision)
+            finally:
+                island.close()
+    code = EXIT_FAILED
+    try:
+        code = _play(coordinator, token, device, connect_timeout_s, report_dir, wan_emulate,
+                     wait_for, identity_file, tls, precision, metrics, state_dir, state_every,
+                     admission, island)
+        return code
+    finally:
+        if island is not None:
+            _end_island(island, code)
+
+
+def _end_island(island: Island, code: int) -> None:
+    """Rank 0 is done: tell the other ranks to exit (a rank that died cannot hear it)."""
+    try:
+        island.send("exit", code)
+    except Exception as exc:  # noqa: BLE001 - the launcher ends what is left
+        log.warning("could not tell the island's other ranks to exit (%s)", exc)
+    island.close()
+
+
+def _play(coordinator: str, token: str, device: str, connect_timeout_s: float,
+          report_dir: str | Path | None, wan_emulate: str | None, wait_for: str | Path | None,
+          identity_file: str | Path | None, tls: TlsConfig | None, precision: str,
+          metrics: tuple[str, int] | None, state_dir: str | Path | None, state_every: int | None,
+          admission: Admission | None, island: Island | None) -> int:
+    """run_worker's worker (rank 0 of an island)."""
     security = channel_security(tls or TlsConfig(), coordinator)
     with StopSignals() as signals:  # Ctrl-C or SIGTERM: stop where it is, report "stopped"
         if wait_for is not None and not _wait_for_file(Path(wait_for), signals.requested):
@@ -73,7 +112,7 @@ def run_worker(
                 worker = Worker(session, device, Path(report_dir) if report_dir else None,
                                 precision=precision,
                                 state_dir=Path(state_dir) if state_dir else None,
-                                state_every=state_every, admission=admission)
+                                state_every=state_every, admission=admission, island=island)
                 signals.on_stop = worker.stop
                 if signals.requested.is_set():
                     return EXIT_INTERRUPTED
@@ -86,6 +125,32 @@ def run_worker(
                 return EXIT_INTERRUPTED
             log.error("worker failed: %s", exc)
             return EXIT_FAILED
+
+
+def follow(island: Island, precision: str) -> int:
+    """Ranks 1..N-1: train as rank 0 says until it says exit. Returns the exit code (0)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
+    trainer: InnerTrainer | None = None
+    while True:
+        kind, *args = island.receive()
+        if kind == "exit":
+            log.info("rank %d: rank 0 ended the island (its exit code %s)", island.rank, args[0])
+            return 0
+        if kind == "config":
+            cfg = validate(RunConfig.from_dict(json.loads(args[0])))
+            task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+            trainer = InnerTrainer(task, cfg.inner, cfg.rounds, island.device, precision, island=island)
+        elif trainer is None:
+            raise IslandError(f"rank {island.rank}: command {kind!r} before the run config")
+        elif kind == "train":
+            try:
+                trainer.train_partition(None, *args)
+            except (TrainingStopped, FloatingPointError) as exc:  # rank 0 fails or stops the same way
+                log.info("rank %d: %s", island.rank, exc)
+        elif kind == "optimizer":
+            trainer.optimizer.load_state_dict(args[0])
+        else:
+            raise IslandError(f"rank {island.rank}: unknown command {kind!r}")
 
 
 class WorkerThread:

@@ -33,6 +33,7 @@ from geoloco.worker.admission import Admission, ConfigRefused
 from geoloco.worker.density import DensityChooser
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.identity import IdentityStore
+from geoloco.worker.island import LAUNCHER_PID_ENV, Island, cpu_state
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
@@ -85,16 +86,21 @@ class Training:
 
     @classmethod
     def from_join(cls, reply: pb.JoinReply, device: torch.device, precision: str = "fp32",
-                  inner_step: InnerStep | None = None, admission: Admission | None = None) -> Training:
+                  inner_step: InnerStep | None = None, admission: Admission | None = None,
+                  island: Island | None = None) -> Training:
         """Built from the run config the coordinator sent, once ``admission`` allows what it
         asks for (JoinRefused otherwise, before any file it names is read); the codec is
-        warmed before round 0."""
+        warmed before round 0. In an ``island`` the trainer trains with the other ranks."""
         cfg = RunConfig.from_dict(json.loads(reply.run_config_json))
         try:
             (admission or Admission()).check(cfg, reply.straggler_profile)
         except ConfigRefused as exc:
             raise JoinRefused(str(exc)) from None
         cfg = validate(cfg)
+        if island is not None and cfg.task.batch_size % island.size:
+            raise JoinRefused(f"task.batch_size {cfg.task.batch_size} (the island's batch) does not "
+                              f"split between this worker's {island.size} ranks; run a number of "
+                              "ranks that divides it")
         task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
         expected = cfg.task.data_fingerprint
         if expected is not None and task.fingerprint != expected:
@@ -104,7 +110,7 @@ class Training:
                 f"{task.fingerprint}, the coordinator's {expected}; give every machine the same "
                 "task.data (the default, the pinned corpus, is the same everywhere; task.data "
                 "\"stdlib\" is each machine's own Python standard library)")
-        trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, precision, inner_step)
+        trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, precision, inner_step, island)
         layout = replica_layout(trainer.model)
         if reply.layout_digest and reply.layout_digest != layout.digest:
             raise JoinRefused(f"layout mismatch: coordinator {reply.layout_digest.hex()} vs this worker "
@@ -134,13 +140,16 @@ class Worker:
     phase runs from a running copy (geoloco.worker.overlap) while ``round``'s frame is in
     flight.
     ``precision`` is the inner loop's autocast (worker.precision); ``inner_step`` replaces
-    the inner training step (geoloco.worker.trainer.InnerStep)."""
+    the inner training step (geoloco.worker.trainer.InnerStep). In an ``island`` this is rank
+    0, and the inner phase is the island's (geoloco.worker.island)."""
 
     def __init__(self, session: Session, device: str = "auto", report_dir: Path | None = None,
                  max_resyncs: int = 50, precision: str = "auto",
                  inner_step: InnerStep | None = None, state_dir: Path | None = None,
-                 state_every: int | None = None, admission: Admission | None = None) -> None:
+                 state_every: int | None = None, admission: Admission | None = None,
+                 island: Island | None = None) -> None:
         self.session = session
+        self.island = island  # the ranks this worker trains with (None: it trains alone)
         self.admission = admission or Admission()  # what the run config may make it do
         self.device = resolve_device(device)
         self.precision = precision
@@ -457,7 +466,9 @@ class Worker:
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
             self.training = Training.from_join(reply, self.device, self.precision, self.inner_step,
-                                               self.admission)
+                                               self.admission, self.island)
+            if self.island is not None:  # the other ranks build the same trainer
+                self.island.send("config", reply.run_config_json)
             # θ on huge pages: applying sparse rounds touches cache lines at random
             self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
             self.restore_local_state()
@@ -477,7 +488,7 @@ class Worker:
         worker process that is gone, so it gets that slot back at once. An identity the
         coordinator refuses (its slot went to another worker, or another run) is dropped for
         a plain Join. Every Join's identity is saved for the next restart."""
-        device = describe_device(self.device)
+        device = self.describe_device()
         claimed = self.identities.claim() if self.identities and self.session.worker_id is None else None
         if claimed is not None:
             log.info("reclaiming worker %d, the identity saved in %s", claimed[0], self.state_dir)
@@ -512,6 +523,8 @@ class Worker:
             log.warning("%s: error feedback and inner AdamW state start from zero", exc)
             return
         self.catching_up = True  # a resumed worker plays its first round without overlap
+        if self.island is not None:  # every rank steps AdamW from the same state
+            self.island.send("optimizer", cpu_state(self.training.trainer.optimizer.state_dict()))
         log.info("restored the local state of round %d from %s (error feedback, inner AdamW "
                  "state, data positions)", saved_at, path)
 
@@ -566,6 +579,11 @@ class Worker:
         self.write_report("finished", digest=digest)
         self.close()
 
+    def describe_device(self) -> str:
+        """As reported at Join: ``cpu``, ``cuda:0 (NVIDIA H200)``, with the island's ranks."""
+        device = describe_device(self.device)
+        return device if self.island is None else f"{device}, {self.island.describe()}"
+
     def close(self) -> None:
         self.session.close()
         self._pusher.shutdown(wait=True)
@@ -575,9 +593,14 @@ class Worker:
         launcher reads it (written atomically)."""
         if self.report_dir is None or self.session.worker_id is None:
             return
-        report = {"worker_id": self.session.worker_id, "pid": os.getpid(), "status": status,
-                  "device": describe_device(self.device), "round": self.round, "digest": digest,
+        report = {"worker_id": self.session.worker_id, "status": status,
+                  # the process to signal: an island's launcher (geoloco.worker.island.launch)
+                  "pid": os.getpid() if self.island is None else int(os.environ.get(LAUNCHER_PID_ENV, os.getpid())),
+                  "device": self.describe_device(), "round": self.round, "digest": digest,
                   **asdict(self.counters)}
+        if self.island is not None:
+            report["island"] = {"ranks": self.island.size, "parallel": self.island.parallel,
+                                "rank0_pid": os.getpid()}
         path = Path(self.report_dir) / f"worker-{self.session.worker_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(report, indent=2), durable=False)

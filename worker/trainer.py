@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +20,9 @@ from geoloco.config import InnerConfig
 from geoloco.replica import replica_tensors
 from geoloco.schedule import lr_at
 from geoloco.tasks import Batch, BatchIterator, Task
+
+if TYPE_CHECKING:
+    from geoloco.worker.island import Island
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,18 @@ the learning rate before, and checks that the loss is finite after."""
 class InnerTrainer:
     """One model replica on the training device with an AdamW state that persists across
     rounds; the caller's master copy of θ stays on CPU in fp32. ``params`` are the model's
-    tensors θ maps to (geoloco.replica.replica_tensors), ``trainable`` what AdamW updates."""
+    tensors θ maps to (geoloco.replica.replica_tensors), ``trainable`` what AdamW updates.
+    In an ``island`` (geoloco.worker.island) every rank holds one: rank 0 sends the others
+    each partition to train and broadcasts θ, each rank trains on its share of every batch
+    and the gradients are averaged before each step."""
 
     def __init__(self, task: Task, inner: InnerConfig, rounds: int, device: torch.device,
-                 precision: str = "fp32", step: InnerStep | None = None) -> None:
+                 precision: str = "fp32", step: InnerStep | None = None,
+                 island: Island | None = None) -> None:
+        if island is not None and step is not None:
+            raise ValueError("an inner_step of one's own cannot run in an island of ranks")
         self.task = task
+        self.island = island
         self.inner = inner
         self.total_steps = rounds * inner.steps
         self.device = device
@@ -88,19 +98,30 @@ class InnerTrainer:
         )
         self.positions: dict[int, BatchIterator] = {}  # each partition's data position
 
-    def train_partition(self, theta: list[Tensor], partition: int, round_index: int,
-                        stop: threading.Event | None = None) -> tuple[list[Tensor], float]:
+    def train_partition(self, theta: list[Tensor] | None, partition: int, round_index: int,
+                        stop: threading.Event | None = None) -> tuple[list[Tensor] | None, float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
         Batches and the learning rate follow the global step ``round × H + step``. Once
-        ``stop`` is set, TrainingStopped at the next step."""
-        self._load(theta)
+        ``stop`` is set, TrainingStopped at the next step (in an island: on every rank, after
+        the step's gradient exchange). On an island's other ranks ``theta`` is None (it comes
+        from rank 0) and so is the returned Δ."""
+        island = self.island
+        if island is not None and island.leader:
+            island.send("train", partition, round_index)
+        if theta is not None:
+            self._load(theta)
+        if island is not None:
+            island.broadcast(self.params)
         batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
         for step in range(self.inner.steps):
-            if stop is not None and stop.is_set():
+            stopping = stop is not None and stop.is_set()
+            if stopping and island is None:
                 raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")
             global_step = round_index * self.inner.steps + step
-            losses.append(self._step(next(batches), global_step))
+            losses.append(self._step(next(batches), global_step, stopping))
+        if theta is None:
+            return None, sum(losses) / len(losses)
         return self._deltas(theta), sum(losses) / len(losses)
 
     def _batches(self, partition: int, step: int) -> BatchIterator:
@@ -138,10 +159,13 @@ class InnerTrainer:
             for p, t in zip(self.params, theta, strict=True):
                 p.copy_(t, non_blocking=True)
 
-    def _step(self, batch: Batch, global_step: int) -> float:
+    def _step(self, batch: Batch, global_step: int, stopping: bool = False) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.inner, global_step, self.total_steps)
-        value = (self.step_fn or InnerTrainer.default_step)(self, batch)
+        if self.island is not None:
+            value = self._island_step(batch, global_step, stopping)
+        else:
+            value = (self.step_fn or InnerTrainer.default_step)(self, batch)
         if not math.isfinite(value):
             raise FloatingPointError(f"inner loss became {value} at global step {global_step}; lower inner.lr")
         return value
@@ -155,6 +179,21 @@ class InnerTrainer:
         self.clip_gradients()
         self.optimizer.step()
         return float(loss.item())
+
+    def _island_step(self, batch: Batch, global_step: int, stopping: bool) -> float:
+        """The default step on this rank's share of ``batch``, with the gradients (and the
+        loss) averaged over the island before clipping and AdamW; every rank raises
+        TrainingStopped instead of stepping when rank 0 is ``stopping``."""
+        with self.autocast():
+            loss = self.task.loss(self.model, self.island.shard(batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        value, stop = self.island.average_gradients(self.trainable, float(loss.detach()), stopping)
+        if stop:
+            raise TrainingStopped(f"stopped at global step {global_step}")
+        self.clip_gradients()
+        self.optimizer.step()
+        return value
 
     def clip_gradients(self) -> None:
         """Clip the trainable parameters' gradient norm to ``inner.grad_clip`` (0: no

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"geoloco": "geoloco", "compression": "geoloco.compression", "coordinator": "geoloco.coordinator",
            "worker": "geoloco.worker", "protos": "geoloco.protos"}
 SIDES = ("geoloco.worker", "geoloco.coordinator")
-ENTRY_POINTS = ("geoloco.cli", "geoloco.launch")
+# geoloco.worker.__main__ is `python -m geoloco.worker`, what torchrun starts for an island of
+# ranks: `geoloco worker` by another name, so an entry point like the CLI it calls
+ENTRY_POINTS = ("geoloco.cli", "geoloco.launch", "geoloco.worker.__main__")
 LIBRARIES = ("geoloco.compression", "geoloco.protos")  # a library on its own each
 # geoloco/__init__.py's module __getattr__ imports these on first use of geoloco.run_local,
 # geoloco.Coordinator, geoloco.Worker: the one exception to the arrows, and lazy, so the
@@ -26,7 +28,7 @@ ROOT_FACADE = ("geoloco.launch", "geoloco.coordinator.app", "geoloco.worker.app"
 
 def layer(module: str) -> str:
     """The layer a module belongs to: a side, an entry point, a library, or shared."""
-    for name in (*SIDES, *ENTRY_POINTS, *LIBRARIES):
+    for name in (*ENTRY_POINTS, *SIDES, *LIBRARIES):
         if module == name or module.startswith(name + "."):
             return name
     return "shared"
@@ -42,7 +44,7 @@ def allowed(importer: str, imported: str) -> bool:
     if src in LIBRARIES:
         return False
     if dst in ENTRY_POINTS:
-        return src == "geoloco.cli" and dst == "geoloco.launch"
+        return (src, dst) in (("geoloco.cli", "geoloco.launch"), ("geoloco.worker.__main__", "geoloco.cli"))
     # the entry points use anything; a side never imports the other, the shared modules
     # import neither; sides and shared modules use the shared modules and the libraries
     return src in ENTRY_POINTS or dst not in SIDES

@@ -1,0 +1,61 @@
+"""One partition's pseudo-gradient, trained by an island of ranks or by one process, written
+to a file: ``python island_delta.py --ranks N --out FILE [--batch-size B]``. With N > 1 it
+starts itself as the N ranks (geoloco.worker.island.launch); rank 0 sends the others the run
+config and trains, as a worker's rank 0 does, and the others follow (geoloco.worker.app.follow)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from geoloco.config import RunConfig, validate
+from geoloco.tasks import build_task
+from geoloco.worker import island as islands
+from geoloco.worker.app import follow
+from geoloco.worker.trainer import InnerTrainer
+
+PARTITION, ROUND = 1, 2
+
+
+def config(batch_size: int) -> RunConfig:
+    cfg = RunConfig(workers=2, rounds=4)
+    cfg.task.model, cfg.task.seq_len, cfg.task.batch_size = "gpt-tiny", 32, batch_size
+    cfg.task.val_windows, cfg.task.corpus_bytes = 16, 300_000
+    cfg.inner.steps, cfg.inner.warmup_steps, cfg.inner.lr = 8, 4, 3e-3
+    return validate(cfg)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    island = islands.Island.from_env()
+    if island is None and args.ranks > 1:
+        return islands.launch(sys.argv[1:], args.ranks, program=(__file__,))
+    cfg = config(args.batch_size)
+    device = island.start("cpu") if island else torch.device("cpu")
+    if island is not None and not island.leader:
+        code = follow(island, "fp32")
+        island.close()
+        return code
+    task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+    if island is not None:
+        island.send("config", cfg.to_json())
+    trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, "fp32", island=island)
+    theta = [t.detach().clone() for t in trainer.params]
+    delta, loss = trainer.train_partition(theta, PARTITION, ROUND)
+    torch.save({"delta": delta, "loss": loss}, args.out)
+    if island is not None:
+        island.send("exit", 0)
+        island.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""A worker as an island of ranks (geoloco.worker.island), with real processes on Gloo: an
+island's pseudo-gradient is the one a single process computes from the same tokens; two
+islands train and agree with the coordinator every round while only rank 0 of each talks to
+it; a rank SIGKILLed mid-round takes its island down, naming the rank, and the island
+restarts on its --state-dir, takes its slot back and agrees again."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_processes import (
+    ROOT,
+    SMALL,
+    Processes,
+    coordinator_port,
+    final_coordinator_digest,
+    metrics,
+    set_flags,
+    wait_until,
+    worker_reports,
+)
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).resolve().parent
+# An island's ranks average gradients of half batches where one process takes the mean of
+# the whole batch: the same sums in another order, fp32 rounding apart (about 1e-7 of a
+# value per operation). Over 8 AdamW steps that came to 1.4e-6 of Δ's norm; the bound leaves
+# room for other CPUs' kernels, and stays far below what other tokens give (over 1e-2).
+DELTA_RTOL = 1e-4
+
+
+def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(((x - y) ** 2).sum().item() for x, y in zip(a, b, strict=True))
+    return math.sqrt(num / sum((x ** 2).sum().item() for x in a))
+
+
+def island_delta(tmp_path: Path, ranks: int, batch_size: int = 8) -> dict:
+    out = tmp_path / f"delta-{ranks}-{batch_size}.pt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, str(HERE / "island_delta.py"), "--ranks", str(ranks),
+                           "--out", str(out), "--batch-size", str(batch_size)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_an_island_trains_the_pseudo_gradient_one_process_would(tmp_path: Path) -> None:
+    one, two = island_delta(tmp_path, 1), island_delta(tmp_path, 2)
+    assert relative_difference(one["delta"], two["delta"]) < DELTA_RTOL
+    assert math.isclose(one["loss"], two["loss"], rel_tol=DELTA_RTOL)
+    # the bound tells the same tokens from others: one rank's share alone is far off
+    half = island_delta(tmp_path, 1, batch_size=4)
+    assert relative_difference(one["delta"], half["delta"]) > 100 * DELTA_RTOL
+
+
+def island_pids(launcher: int) -> dict[int, int]:
+    """The ranks an island launcher started: {rank: pid}."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        rank = next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+        if ppid == launcher and rank is not None:
+            ranks[rank] = int(proc.name)
+    return ranks
+
+
+def connections_to(port: int) -> dict[int, int]:
+    """Loopback TCP connections to ``port`` on this host: {local port: pid of its owner}."""
+    inodes = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if int(remote.rsplit(":", 1)[1], 16) == port and state == "01":  # ESTABLISHED
+                inodes[f"socket:[{inode}]"] = int(local.rsplit(":", 1)[1], 16)
+    owners = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target in inodes:
+                    owners[inodes[target]] = int(proc.name)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return owners
+
+
+def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processes, tmp_path: Path) -> None:
+    run_dir, reports = tmp_path / "run", tmp_path / "reports"
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
+                                    "--rounds", "6", "--run-dir", str(run_dir), *set_flags(SMALL)])
+    port = coordinator_port(run_dir)
+    for i in range(2):
+        processes.start(f"island-{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--device", "cpu",
+                                        "--nproc-per-node", "2", "--report-dir", str(reports)])
+    wait_until(lambda: len(metrics(run_dir)) >= 2, 240, "two rounds")
+    ranks = {name: island_pids(proc.pid) for name, proc in processes.procs.items() if name.startswith("island")}
+    assert all(sorted(r) == [0, 1] for r in ranks.values()), ranks
+    talking = set(connections_to(port).values())
+    joins = re.findall(r"worker \d joined from \S+ at ipv[46]:\S+:(\d+) \(([^)]*)\)", processes.log("coordinator"))
+
+    assert processes.wait("coordinator", timeout=240) == 0, processes.log("coordinator")[-3000:]
+    for name in ranks:
+        assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
+    leaders = {r[0] for r in ranks.values()}
+    assert talking and talking <= leaders, (talking, ranks)  # no rank 1 has a connection to it
+    assert len(joins) == 2 and all("island of 2 ranks, ddp" in device for _, device in joins), joins
+    validated = [m["val_loss"] for m in metrics(run_dir) if m.get("val_loss") is not None]
+    assert validated[-1] < validated[0]
+    _, digest = final_coordinator_digest(run_dir)
+    finished = worker_reports(reports)
+    assert sorted(finished) == [0, 1]
+    for report in finished.values():
+        # every round's digest check passed: no mismatch, no state fetched again
+        assert report["status"] == "finished" and report["digest"] == digest, report
+        assert report["digest_mismatches"] == 0 and report["resyncs"] == 0, report
+        assert report["island"]["ranks"] == 2 and report["island"]["rank0_pid"] in leaders
+
+
+ROUNDS = 12
+
+
+def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: Processes,
+                                                                    tmp_path: Path) -> None:
+    run_dir, reports, state_dir = tmp_path / "run", tmp_path / "reports", tmp_path / "state"
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
+                                    "--rounds", str(ROUNDS), "--run-dir", str(run_dir),
+                                    *set_flags({**SMALL, "coordinator.liveness_s": "5",
+                                                "coordinator.checkpoint_every": "0"})])
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
+
+    def start_island(name: str) -> None:
+        processes.start(name, ["worker", "--coordinator", address, "--device", "cpu", "--nproc-per-node",
+                               "2", "--report-dir", str(reports), "--state-dir", str(state_dir)])
+
+    start_island("island")
+    processes.start("plain", ["worker", "--coordinator", address, "--device", "cpu", "--report-dir", str(reports)])
+    wait_until(lambda: len(metrics(run_dir)) >= 3, 240, "three rounds")
+    island_id = next(i for i, r in worker_reports(reports).items() if "island" in r)
+    rank1 = island_pids(processes.procs["island"].pid)[1]
+    os.kill(rank1, 9)
+    code = processes.wait("island", timeout=120)
+    assert code == 128 + 9, processes.log("island")[-3000:]
+    assert "island rank 1 was killed by SIGKILL; stopping the island" in processes.log("island")
+    wait_until(lambda: f"worker {island_id} has had no Rounds stream" in processes.log("coordinator"), 60,
+               "the island to be marked dead")
+    with processes.paused("plain"):  # the open round waits for it: no round closes
+        start_island("restarted")
+        wait_until(lambda: processes.log("coordinator").count(f"worker {island_id} follows rounds") >= 2,
+                   240, "the restarted island to follow the rounds")
+    assert len(metrics(run_dir)) < ROUNDS
+
+    assert processes.wait("coordinator", timeout=240) == 0, processes.log("coordinator")[-3000:]
+    for name in ("plain", "restarted"):
+        assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
+    restarted = processes.log("restarted")
+    assert f"reclaiming worker {island_id}" in restarted and "restored the local state of round" in restarted
+    _, digest = final_coordinator_digest(run_dir)
+    finished = worker_reports(reports)
+    assert finished[island_id]["pid"] == processes.procs["restarted"].pid
+    assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values())

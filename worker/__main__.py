@@ -1,0 +1,8 @@
+"""``python -m geoloco.worker ARGS`` is ``geoloco worker ARGS``; what torchrun starts for an
+island of ranks: ``torchrun --nproc-per-node N -m geoloco.worker --coordinator HOST:PORT``."""
+
+import sys
+
+from geoloco.cli import main
+
+sys.exit(main(["worker", *sys.argv[1:]]))
