@@ -192,6 +192,7 @@ def launch(argv: list[str], ranks: int, grace_s: float = STOP_GRACE_S,
         env = dict(os.environ, WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
                    **{STORE_ENV: os.path.join(folder, "store"), LAUNCHER_PID_ENV: str(os.getpid())})
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the island's traffic stays on this host
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")  # NCCL's bootstrap too (its data goes over the GPUs' links)
         procs = [subprocess.Popen([sys.executable, *program, *argv],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
                  for r in range(ranks)]
