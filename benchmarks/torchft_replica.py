@@ -1,0 +1,130 @@
+"""One torchft DiLoCo replica on GeoLoCo's task, for benchmarks/peers.py: the same model,
+data partition, H, inner AdamW with its warm-up and cosine schedule, gradient clipping and
+tokens as a GeoLoCo worker of the same run config, with torchft's ``local_sgd.DiLoCo``
+(an all-reduce of the fp32 pseudo-gradients over Gloo, then Nesterov SGD) for the outer
+step. torchft is a benchmark-only extra (``pip install torchft==0.2.0``; docs/decisions.md).
+
+    python -m benchmarks.torchft_replica --config run.json --replica I --lighthouse URL \\
+        --host ADDR --out replica-I.json
+
+Each replica is a replica group of one rank with its own TCPStore on ``--host`` (the address
+its peers reach it by). It prints nothing but torchft's log and writes, as JSON: per round
+the seconds of the inner phase (compute) and of the synchronisation (the optimizer step that
+ends the round, where DiLoCo all-reduces and applies the outer step), replica 0's final
+validation loss, and the parameters' digest (every replica must end on the same one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from geoloco.config import RunConfig, validate
+from geoloco.replica import param_digest, replica_tensors
+from geoloco.schedule import lr_at
+from geoloco.tasks import build_task
+
+log = logging.getLogger("torchft_replica")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, required=True, help="the run config, as JSON (RunConfig.to_json)")
+    p.add_argument("--replica", type=int, required=True, help="replica id = data partition")
+    p.add_argument("--lighthouse", required=True, help="torchft lighthouse URL, e.g. http://10.213.0.1:29510")
+    p.add_argument("--host", default="127.0.0.1", help="the address peers reach this replica by")
+    p.add_argument("--store-port", type=int, default=0, help="its TCPStore's port (0: a free one)")
+    p.add_argument("--timeout-s", type=float, default=600.0,
+                   help="torchft's quorum, connect and collective timeouts: size them to the slowest link")
+    p.add_argument("--out", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    torch.set_num_threads(1)
+    cfg = validate(RunConfig.from_dict(json.loads(args.config.read_text())))
+    if cfg.compression.method != "diloco":
+        raise SystemExit("torchft_replica runs dense DiLoCo: give a config with compression.method diloco")
+    task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
+    model = task.make_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    inner = torch.optim.AdamW(trainable, lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2),
+                              weight_decay=cfg.inner.weight_decay)
+    outer = torch.optim.SGD(trainable, lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+    timeout = timedelta(seconds=args.timeout_s)
+    port = args.store_port or free_port(args.host)
+    store = TCPStore(args.host, port, is_master=True, wait_for_workers=False)  # noqa: F841 - kept alive
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        inner.load_state_dict(state["inner"])
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        min_replica_size=cfg.workers, use_async_quorum=False, rank=0, world_size=1,
+        store_addr=args.host, store_port=port, lighthouse_addr=args.lighthouse,
+        replica_id=f"replica-{args.replica}", hostname=args.host, init_sync=False,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+    H, total = cfg.inner.steps, cfg.rounds * cfg.inner.steps
+    batches = task.batches(args.replica, 0)
+    rounds = []
+    start = time.monotonic()
+    with DiLoCo(manager, [model], inner, outer, sync_every=H, use_bucketization=True):
+        for r in range(cfg.rounds):
+            began = time.monotonic()
+            losses = []
+            for step in range(H):
+                for group in inner.param_groups:
+                    group["lr"] = lr_at(cfg.inner, r * H + step, total)
+                loss = task.loss(model, next(batches))
+                inner.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.inner.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(trainable, cfg.inner.grad_clip)
+                losses.append(float(loss))
+                if step == H - 1:
+                    synced = time.monotonic()
+                inner.step()  # DiLoCo's hook: on the H-th step, all-reduce and the outer step
+            ended = time.monotonic()
+            rounds.append({"round": r, "time": time.time(), "compute_s": synced - began, "sync_s": ended - synced,
+                           "round_s": ended - began, "elapsed_s": ended - start,
+                           "train_loss": sum(losses) / len(losses)})
+            log.info("round %d: %.2fs (sync %.2fs), loss %.4f", r, ended - began, ended - synced,
+                     rounds[-1]["train_loss"])
+    theta = [t.detach().float() for _, t in replica_tensors(model)]
+    result = {"replica": args.replica, "rounds": rounds, "steps": manager.current_step(),
+              "digest": param_digest(theta), "wall_s": time.monotonic() - start,
+              "final_val_loss": task.val_loss(model) if args.replica == 0 else None}
+    if result["final_val_loss"] is not None and not math.isfinite(result["final_val_loss"]):
+        log.error("the validation loss is %s", result["final_val_loss"])
+    args.out.write_text(json.dumps(result))
+    manager.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
