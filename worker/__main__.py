@@ -5,4 +5,5 @@ import sys
 
 from geoloco.cli import main
 
-sys.exit(main(["worker", *sys.argv[1:]]))
+if __name__ == "__main__":  # importing it (a walk over the package's modules) runs nothing
+    sys.exit(main(["worker", *sys.argv[1:]]))
