@@ -74,7 +74,7 @@ def config(args: argparse.Namespace, arm: str, seed: int) -> RunConfig:
 
 def measure(cfg: RunConfig, warmup: int) -> dict[str, Any]:
     """One run through the local launcher: WAN bytes and time of the steady rounds, final loss."""
-    if not run_local(cfg).ok:
+    if not run_local(cfg, overwrite=True).ok:  # this benchmark's own run dirs, from a run before
         raise SystemExit(f"the run in {cfg.run_dir} failed; see its logs")
     run_dir = Path(cfg.run_dir)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
