@@ -77,8 +77,9 @@ def test_every_link_carries_its_rate_both_ways_and_nothing_is_left(tmp_path: Pat
             for direction, rates in (("up", up), ("down", down)):
                 ratio = rates[host] / profile.rate_bps
                 assert abs(ratio - 1) <= TOLERANCE, (host, direction, rates[host], profile)
-        tx, rx = bed.link_bytes("slow")
-        assert tx > profile.rate_bps / 8 * SECONDS * (1 - TOLERANCE) and rx > tx  # both transfers
+        tx, rx = bed.link_bytes("slow")  # the counters saw each transfer's bytes on the wire
+        one = bed.profiles["slow"].rate_bps / 8 * SECONDS * (1 - TOLERANCE)
+        assert tx > one and rx > one, (tx, rx, one)
     assert our_namespaces() == []
 
 
