@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.overlap import T95
 from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
 
 ARMS = ("island", "separate")
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 QUICK = {"rounds": 2, "warmup_rounds": 1, "inner_steps": 2, "seq_len": 16, "seeds": 1,
          "wan": "20mbit/10ms"}
 

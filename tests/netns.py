@@ -52,6 +52,19 @@ def unavailable() -> str | None:
     return None
 
 
+def require_testbed() -> None:
+    """In a test: skip with the reason a test bed cannot be built here, or fail with it
+    when REQUIRE_ENV=1 (CI)."""
+    import pytest
+
+    reason = unavailable()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1 makes the test bed required)", pytrace=False)
+    pytest.skip(f"{reason}; run as root (or set {REQUIRE_ENV}=1 to fail instead)")
+
+
 @dataclass(frozen=True)
 class Host:
     name: str

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from netns import PREFIX, REQUIRE_ENV, TestBed, unavailable
+from netns import PREFIX, TestBed, require_testbed
 from run_processes import (
     ROOT,
     SMALL,
@@ -35,12 +35,7 @@ SECONDS = 4.0  # of each transfer
 
 @pytest.fixture(autouse=True)
 def _needs_namespaces() -> None:
-    reason = unavailable()
-    if reason is None:
-        return
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{reason} ({REQUIRE_ENV}=1 makes the test bed required)", pytrace=False)
-    pytest.skip(f"{reason}; run as root (or set {REQUIRE_ENV}=1 to fail instead)")
+    require_testbed()
 
 
 def our_namespaces() -> list[str]:

@@ -13,17 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from netns import REQUIRE_ENV, unavailable
+from netns import require_testbed
 from run_processes import ROOT
 
 pytestmark = pytest.mark.slow
 
 
 def test_torchft_and_geoloco_dense_diloco_agree_on_the_test_bed(tmp_path: Path) -> None:
-    if (reason := unavailable()) is not None:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{reason} ({REQUIRE_ENV}=1 makes the test bed required)", pytrace=False)
-        pytest.skip(reason)
+    require_testbed()
     pytest.importorskip("torchft")
     done = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--replicas", "2", "--rounds", "3",
                            "--warmup-rounds", "1", "--inner-steps", "2", "--seq-len", "16", "--seeds", "1",
