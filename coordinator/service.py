@@ -320,6 +320,13 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
         record = self._authenticate(request.worker_id, request.session, context)
         worker = record.worker_id
+        if request.starting:
+            with self._slot(worker, "Rounds", context), \
+                    self.state.follow(worker, request.from_round, starting=True) as (sub, _):
+                context.add_callback(lambda: sub.put(None))
+                log.info("worker %d is starting (its stream keeps it live)", worker)
+                yield from self._keep_alive(sub, context)
+            return
         with self._slot(worker, "Rounds", context), \
                 self.state.follow(worker, request.from_round) as (sub, backlog):
             last_sent = threading.Event()  # the finished run's last message is on its way
@@ -340,6 +347,17 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
             log.info("worker %d follows rounds from %d (%d held results replayed)", worker,
                      request.from_round, len(backlog))
             yield from self._follow(worker, sub, backlog, context, last_sent)
+
+    def _keep_alive(self, sub: queue.Queue, context: grpc.ServicerContext) -> Iterator[pb.RoundUpdate]:
+        """A starting worker's stream: keepalives only, until the worker opens its real
+        stream (which ends this one), hangs up or dies; the round results it misses are
+        what FetchState and its real stream give it."""
+        while context.is_active():
+            try:
+                if sub.get(timeout=transport.KEEPALIVE_S) is None:
+                    return
+            except queue.Empty:
+                yield pb.RoundUpdate(keepalive=pb.Keepalive(round=self.state.open_round()))
 
     def _follow(self, worker: int, sub: queue.Queue, backlog: list[ClosedRound],
                 context: grpc.ServicerContext, last_sent: threading.Event) -> Iterator[pb.RoundUpdate]:

@@ -190,10 +190,12 @@ class CoordinatorState:
             self.rs.count_refused(worker=worker)
 
     @contextmanager
-    def follow(self, worker: int, from_round: int) -> Iterator[tuple[Subscription, list[ClosedRound]]]:
+    def follow(self, worker: int, from_round: int,
+               starting: bool = False) -> Iterator[tuple[Subscription, list[ClosedRound]]]:
         """A queue that receives every later round result, and the held results from
         ``from_round`` on (a gap before them makes the worker FetchState); a newer stream
-        of the same worker ends this one."""
+        of the same worker ends this one. A ``starting`` worker (building its trainer or
+        fetching the state after a Join) is live while it follows, but not yet ready."""
         sub: Subscription = queue.Queue()
         with self.lock:
             old = self.subscribers.get(worker)
@@ -205,9 +207,10 @@ class CoordinatorState:
             if record is not None and record.dead:  # slow to start, or cut off: it is back
                 record.live, record.dead = True, False
                 log.warning("worker %d follows the rounds again: no longer dead", worker)
-            self.ready.add(worker)
+            if not starting:
+                self.ready.add(worker)
             self.lock.notify_all()
-            backlog = [c for c in self.history if c.round >= from_round]
+            backlog = [] if starting else [c for c in self.history if c.round >= from_round]
         try:
             yield sub, backlog
         finally:

@@ -221,8 +221,8 @@ class CoordinatorConfig:
     deadline_s: float = 300.0  # a round closes at this deadline whatever has arrived
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
-    # a worker without a Rounds stream this long is dead (a new one counts from its Join, so
-    # this must cover a worker's start-up): rounds stop waiting for it, and a new worker
+    # a worker without a Rounds stream this long is dead (a starting worker holds one from
+    # its Join, so a slow start-up is not): rounds stop waiting for it, and a new worker
     # with the token may take its slot (id, partitions); it is back if it follows again
     liveness_s: float = 60.0
     # rounds between validation losses, always measured after the broadcast; 0: only the

@@ -126,14 +126,16 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
 
 class RoundsRequest(_message.Message):
-    __slots__ = ("worker_id", "session", "from_round")
+    __slots__ = ("worker_id", "session", "from_round", "starting")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     FROM_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     session: str
     from_round: int
-    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., from_round: _Optional[int] = ...) -> None: ...
+    starting: bool
+    def __init__(self, worker_id: _Optional[int] = ..., session: _Optional[str] = ..., from_round: _Optional[int] = ..., starting: _Optional[bool] = ...) -> None: ...
 
 class WorkerTask(_message.Message):
     __slots__ = ("round", "train_partitions", "send_partitions", "send_coefficients")

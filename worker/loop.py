@@ -459,10 +459,12 @@ class Worker:
         return check is None or check.release()
 
     def connect(self) -> None:
-        """Join (or rejoin with the same id); fetch the state unless θ is confirmed and at the
-        coordinator's open round; follow the Rounds stream from θ's round."""
+        """Join (or rejoin with the same id), holding a starting stream (the worker is live
+        meanwhile); fetch the state unless θ is confirmed and at the coordinator's open
+        round; follow the Rounds stream from θ's round."""
         rejoining = self.session.worker_id is not None
         reply = self.join()
+        self.session.keep_alive(reply.current_round)  # live while it starts, however slowly
         self.write_report("rejoined" if rejoining else "joined")
         if self.training is None:
             self.training = Training.from_join(reply, self.device, self.precision, self.inner_step,

@@ -145,6 +145,16 @@ class Session:
         request = pb.RoundsRequest(worker_id=self.worker_id, session=self.secret, from_round=from_round)
         self._follower = RoundsFollower(self._connected().Rounds(request, metadata=self._metadata()), layout)
 
+    def keep_alive(self, from_round: int) -> None:
+        """From a Join until ``follow``: a Rounds stream that carries keepalives only, so the
+        coordinator knows this worker is alive while it builds its trainer or fetches the
+        state, however long that takes (coordinator.liveness_s counts only while a worker
+        has no stream)."""
+        self._stop_following()
+        request = pb.RoundsRequest(worker_id=self.worker_id, session=self.secret,
+                                   from_round=from_round, starting=True)
+        self._follower = RoundsFollower(self._connected().Rounds(request, metadata=self._metadata()))
+
     def poll_result(self, round_: int) -> RoundResult | None:
         """The result of round ``round_`` (or a later one) if its header is in, else None."""
         return self._followed().next_result(round_, wait=False)

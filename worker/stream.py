@@ -73,9 +73,10 @@ class RoundResult:
 class RoundsFollower:
     """Reads one Rounds call on a background thread: queues a RoundResult as soon as its
     header is in, decodes its frames as their bytes come, fills in its digest, and queues
-    a Disconnected once the stream ends or breaks."""
+    a Disconnected once the stream ends or breaks. Without a ``layout`` it follows a
+    starting worker's stream, which carries keepalives only."""
 
-    def __init__(self, call: grpc.Call, layout: Layout) -> None:
+    def __init__(self, call: grpc.Call, layout: Layout | None = None) -> None:
         self.layout = layout
         self._call = call
         self._results: queue.Queue[RoundResult | Disconnected] = queue.Queue()
@@ -124,6 +125,8 @@ class RoundsFollower:
         for update in updates:
             kind = update.WhichOneof("part")
             if kind == "header":
+                if self.layout is None:
+                    raise ValueError(f"round {update.header.round} result on a starting stream")
                 if self._pending is not None:
                     raise ValueError(f"round {update.header.round} began before the digest of "
                                      f"round {self._pending.header.round}")
