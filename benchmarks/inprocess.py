@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import torch
 from geoloco.compression import Layout, decode_frame
 from geoloco.config import RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
-from geoloco.coordinator.outer import apply_update, make_outer
+from geoloco.coordinator.outer import Update, apply_update, make_outer
 from geoloco.coordinator.rounds import (
     Arrival,
     ClosePolicy,
@@ -102,12 +103,32 @@ def close(policy: ClosePolicy, order: list[int], late: Iterable[int] = ()) -> De
     raise RuntimeError(f"arrival order {order} never decodes")
 
 
+Play = Callable[[int], tuple[bytes, list[int]]]  # worker i trains and encodes its round now
+
+
+class Clock(Protocol):
+    """Closes rounds by time instead of by the ``stragglers`` rule (benchmarks.simclock),
+    and says which workers train each round: a worker that has the round's result before it
+    starts skips the round, as a real worker does."""
+
+    def close(self, round_: int, policy: ClosePolicy, play: Play) -> Decision:
+        """The decision of round ``round_``; ``play(i)`` for every worker that starts the
+        round before it closes, in the order they start."""
+
+    def published(self, update: Update, play: Play) -> None:
+        """The round is published with ``update``; ``play(i)`` for every worker that starts
+        the round after the close but before the result reaches it (θ is still the
+        round's)."""
+
+
 def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: GradientCode | None = None,
-             val_every_round: bool = False, val_tail: int = VAL_TAIL) -> Result:
+             val_every_round: bool = False, val_tail: int = VAL_TAIL, clock: Clock | None = None) -> Result:
     """Train ``cfg`` for cfg.rounds rounds; ``code`` overrides the one cfg.coding names;
-    the validation loss is scored after each of the last ``val_tail`` rounds. One torch thread, as each process of ``geoloco local`` has (more threads change the
-    rounding of the inner loop). There is no frame guard (coordinator.bounds): no frame is
-    clipped or rejected, as in a run whose guard never fires."""
+    the validation loss is scored after each of the last ``val_tail`` rounds. One torch
+    thread, as each process of ``geoloco local`` has (more threads change the rounding of
+    the inner loop). There is no frame guard (coordinator.bounds): no frame is clipped or
+    rejected, as in a run whose guard never fires. A ``clock`` closes each round instead
+    of ``stragglers``."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -122,17 +143,30 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
                          FrameEncoder(layout, cfg.compression, undoable=undoable)) for _ in range(cfg.workers)]
     result = Result()
     for t in range(cfg.rounds):
-        frames = [play(w, params, worker_task(code, i, t, cfg.rounds), t, i) for i, w in enumerate(workers)]
-        late = stragglers(t)
-        decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late, late)
+        frames: dict[int, bytes] = {}
+
+        def play_worker(i: int, t: int = t, frames: dict[int, bytes] = frames) -> tuple[bytes, list[int]]:
+            frame, trained = play(workers[i], params, worker_task(code, i, t, cfg.rounds), t, i)
+            frames[i] = frame
+            return frame, trained
+
+        if clock is not None:
+            decision = clock.close(t, policy, play_worker)
+        else:
+            for i in range(cfg.workers):
+                play_worker(i)
+            late = stragglers(t)
+            decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late, late)
         arrivals = {i: Arrival(i, frames[i], decode_frame(frames[i], layout)) for i in decision.coefficients}
         chosen = [(arrivals[i], a) for i, a in sorted(decision.coefficients.items())]
         update = outer.step(t, chosen, decision)
+        if clock is not None:
+            clock.published(update, play_worker)
         apply_update(params, update)
         applied = [f.frame for f in update.frames]
-        for i, w in enumerate(workers):
-            w.encoder.settle(policy.settlement(decision, i), frames[i], applied)
-        result.upload_bytes.append(sum(len(f) for f in frames) // cfg.workers)
+        for i, frame in sorted(frames.items()):  # a worker that skipped the round has none
+            workers[i].encoder.settle(policy.settlement(decision, i), frame, applied)
+        result.upload_bytes.append(sum(len(f) for f in frames.values()) // cfg.workers)
         result.modes.append(update.mode)
         if val_every_round or t >= cfg.rounds - val_tail:
             result.val_losses.append(task.val_loss(model))
@@ -141,12 +175,11 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
     return result
 
 
-def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int) -> bytes:
-    """One worker's round, as worker.loop.Worker plays it: train, combine, encode."""
-    for p in worker.deltas.to_train(task):
-        delta, _ = worker.trainer.train_partition(theta, p, t)
-        worker.deltas.keep(p, delta)
-    return worker.encoder.encode(worker.deltas.message(task), t, sender)
+def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int) -> tuple[bytes, list[int]]:
+    """One worker's round, as worker.loop.Worker plays it: train, combine, encode; the
+    frame and the partitions it trained."""
+    trained = train_round(worker, theta, task, t)
+    return worker.encoder.encode(worker.deltas.message(task), t, sender), trained
 
 
 def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,

@@ -1,5 +1,5 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift, straggler_loss, overlap, heterogeneous, broadcast), the security ones (fuzz_rpc, scale) and the
+ef_drift, straggler_loss, overlap, heterogeneous, broadcast, simclock), the security ones (fuzz_rpc, scale) and the
 codec's run end to end in their ``--quick`` form and end with one JSON line holding the figures
 they promise and where they come from (the corpus fingerprint and the software versions). Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
@@ -35,6 +35,7 @@ KEYS = {
     "overlap": {"comm50", "loss_vs_none", "loss_seeds"},
     "heterogeneous": {"uniform", "fixed", "auto+overlap", "links"},
     "broadcast": {"rows", "ratio_mean_worst", "ratio_upper95_worst", "round_time", "rounds", "seeds"},
+    "simclock": {"groups", "settings"},
 }
 PROVENANCE = {"corpus", "versions"}  # every benchmark's last JSON line (benchmarks/provenance.py)
 RUN_DIR = {"wan", "overlap", "heterogeneous"}  # the benchmarks that take --run-dir

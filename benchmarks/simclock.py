@@ -1,0 +1,371 @@
+"""The round protocol on a simulated clock: ``benchmarks.inprocess.simulate`` (the real
+trainer, encoder, close policy, outer step and settlement) with each round closed at the
+time the run's close policy would close it, and no real time passing. It answers what real
+processes on 2 cores cannot: loss against wall time for a scheme at n = 32 .. 256.
+
+The time model, for round t on the coordinator's clock (the round opens when round t - 1's
+result is published; round 0 opens at 0, when every worker has its state):
+
+- worker i starts round t once it has round t - 1's result (publish time + the result's
+  bytes over its link + the link's one-way delay) and has finished its own push of round
+  t - 1 (a late push still takes its link). As ``geoloco.worker.loop.Worker.play_round``
+  does, a worker that already holds round t's result when it starts skips round t (it
+  trains nothing and catches up), and one whose result comes while it computes does not
+  push;
+- it computes ``compute_s`` per partition it trains that round (pipelined codes train one,
+  classic codes s + 1), then its straggler model's extra delay
+  (``geoloco.worker.stragglers.make_straggler`` of the run's ``stragglers.*`` profiles,
+  seeded as a real worker seeds it), then ``work_s`` (encode and apply);
+- its frame arrives after its bytes over its link rate plus the one-way delay (the run's
+  ``network.*`` link profiles; jitter and loss are not modelled);
+- the round closes at the first moment (an arrival, the end of a quorum's grace window,
+  the deadline) at which the policy, asked with the arrival times so far, decides: the
+  policy object the coordinator runs (``close_policy``), which also learns from each
+  closed round's times as the coordinator's does (``observe``);
+- the result is published ``close_s`` after the decision (the coordinator's close; 0 by
+  default: it is alike for every scheme).
+
+Frame and result bytes are the real ones of the run's model; the compute time is a
+parameter, so one figure stands for a GPU's inner phase as well as a CPU's. A run is a
+function of its config and ``compute_s``: the same inputs give the same times, decisions
+and parameters (tests/integration/test_simclock.py).
+
+    python -m benchmarks.simclock --quick            # n = 4, two schemes, a few rounds
+    python -m benchmarks.simclock --n 8 --seeds 5    # one part of the comparison
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.inprocess import Play, simulate
+from benchmarks.island import interval
+from benchmarks.parity import upper95
+from benchmarks.provenance import provenance
+from geoloco.config import RunConfig, load_config
+from geoloco.coordinator.outer import Update
+from geoloco.coordinator.rounds import ArrivalTimes, ClosePolicy, Decision, QuorumPolicy
+from geoloco.profiles import LinkProfile
+from geoloco.worker.stragglers import StragglerModel, make_straggler
+
+SCHEMES = ("none", "ignore", "quorum", "pgc-fr", "gc-fr")
+# an instant after a grace window ends: the policy compares now - quorum_at >= grace, and
+# the float sum quorum_at + grace can round below it
+GRACE_EPSILON = 1e-9
+
+
+def transfer_s(nbytes: int, link: LinkProfile) -> float:
+    """Seconds for ``nbytes`` to cross ``link``: serialization at its rate plus its one-way delay."""
+    return (8.0 * nbytes / link.rate_bps if link.rate_bps else 0.0) + link.delay_s
+
+
+START, ARRIVAL, WINDOW, DEADLINE = range(4)  # event kinds, in the order ties are taken
+
+
+@dataclass
+class ClockedRound:
+    """One round on the simulated clock: when it opened and closed (seconds since the run
+    began), the chosen workers, why it closed, when each frame came that the close saw
+    (seconds since the open), each worker's compute (seconds per partition x partitions;
+    only the workers that trained), and the workers that skipped the round."""
+
+    round: int
+    opened_at: float
+    closed_at: float
+    chosen: list[int]
+    reason: str
+    arrivals: dict[int, float]
+    compute_s: dict[int, float] = field(default_factory=dict)
+    skipped: list[int] = field(default_factory=list)
+
+
+class SimClock:
+    """The clock of one run (``benchmarks.inprocess.Clock``): the time model of this
+    module's docstring over ``cfg``'s links, straggler profiles and deadline. Each round is
+    an event loop (workers starting, frames arriving, a quorum's window ending, the
+    deadline), in time order, until the policy decides."""
+
+    def __init__(self, cfg: RunConfig, compute_s: float, work_s: float = 0.0, close_s: float = 0.0) -> None:
+        if cfg.outer.overlap != "none":
+            raise ValueError(f"simclock models outer.overlap 'none' only, not {cfg.outer.overlap!r}")
+        if compute_s <= 0 or work_s < 0 or close_s < 0:
+            raise ValueError(f"compute_s must be > 0, work_s and close_s >= 0; got {compute_s}, {work_s}, {close_s}")
+        n = cfg.workers
+        self.compute_s, self.work_s, self.close_s = compute_s, work_s, close_s
+        self.deadline_s = cfg.coordinator.deadline_s
+        self.links = [cfg.network.profile_for(i) for i in range(n)]
+        self.stragglers: list[StragglerModel] = [make_straggler(cfg.stragglers.profile_for(i), i, cfg.seed)
+                                                 for i in range(n)]
+        self.ready_at = [0.0] * n  # when each worker starts its next round
+        self.done_at: dict[int, float] = {}  # this round: when a worker's frame was encoded
+        self.pushed_at: dict[int, float] = {}  # ... and when its push was through
+        self.opened_at = 0.0
+        self.rounds: list[ClockedRound] = []
+
+    def close(self, round_: int, policy: ClosePolicy, play: Play) -> Decision:
+        self.done_at, self.pushed_at = {}, {}
+        current = ClockedRound(round_, self.opened_at, self.opened_at, [], "", {})
+        events = [(ready, START, i) for i, ready in enumerate(self.ready_at)]
+        events.append((self.opened_at + self.deadline_s, DEADLINE, -1))
+        heapq.heapify(events)
+        while True:
+            at, kind, i = heapq.heappop(events)
+            if kind == START:
+                heapq.heappush(events, (self.train(round_, i, play, current), ARRIVAL, i))
+                continue
+            if kind == ARRIVAL:
+                current.arrivals[i] = at - self.opened_at
+                window = self.window_end(policy, current.arrivals)
+                if window is not None:
+                    heapq.heappush(events, (self.opened_at + window, WINDOW, -1))
+            now = at - self.opened_at
+            decision = policy.decide(sorted(current.arrivals), kind == DEADLINE,
+                                     ArrivalTimes(now, dict(current.arrivals)))
+            if decision is not None:
+                break
+        policy.observe(ArrivalTimes(now, dict(current.arrivals)))
+        current.closed_at = at + self.close_s  # published
+        current.chosen, current.reason = sorted(decision.coefficients), decision.reason
+        self.rounds.append(current)
+        return decision
+
+    def published(self, update: Update, play: Play) -> None:
+        current = self.rounds[-1]
+        nbytes = sum(len(f.data) for f in update.frames)
+        for i, link in enumerate(self.links):
+            has_result = current.closed_at + transfer_s(nbytes, link)
+            if i not in self.done_at:  # not started by the close
+                if self.ready_at[i] >= has_result:  # the result is in: the round is skipped
+                    current.skipped.append(i)
+                    continue
+                self.train(current.round, i, play, current)
+            if self.done_at[i] >= has_result:  # the result came first: nothing pushed
+                self.ready_at[i] = self.done_at[i]
+            else:
+                self.ready_at[i] = max(self.pushed_at[i], has_result)
+        self.opened_at = current.closed_at
+
+    def train(self, round_: int, i: int, play: Play, current: ClockedRound) -> float:
+        """Worker i plays its round from ready_at[i]: when its push is through."""
+        frame, trained = play(i)
+        compute = current.compute_s[i] = self.compute_s * len(trained)
+        self.done_at[i] = (self.ready_at[i] + compute + self.stragglers[i].extra_delay(round_, compute)
+                           + self.work_s)
+        self.pushed_at[i] = self.done_at[i] + transfer_s(len(frame), self.links[i])
+        return self.pushed_at[i]
+
+    @staticmethod
+    def window_end(policy: ClosePolicy, arrivals: dict[int, float]) -> float | None:
+        """A quorum policy's grace window end (since the open) once a quorum is in."""
+        if not isinstance(policy, QuorumPolicy) or len(arrivals) < policy.quorum:
+            return None
+        grace = policy.grace()
+        if grace is None:
+            return None
+        return sorted(arrivals.values())[policy.quorum - 1] + grace + GRACE_EPSILON
+
+
+@dataclass
+class Curve:
+    """A run's validation loss after each round, at the time the round closed."""
+
+    times: list[float]
+    losses: list[float]
+    applied_share: float  # of all compute, the share in frames the rounds applied
+    decisions: list[tuple[list[int], str]] = field(default_factory=list)
+    digest: str = ""  # of the final parameters
+
+    def loss_at(self, t: float) -> float:
+        """The loss of the last round closed by ``t`` (inf before the first)."""
+        done = [loss for when, loss in zip(self.times, self.losses, strict=True) if when <= t]
+        return done[-1] if done else math.inf
+
+    def time_to(self, loss: float) -> float:
+        """When the loss first reached ``loss`` (inf if never)."""
+        return next((when for when, x in zip(self.times, self.losses, strict=True) if x <= loss), math.inf)
+
+
+def run_clocked(cfg: RunConfig, compute_s: float, work_s: float = 0.0,
+                close_s: float = 0.0) -> tuple[Curve, SimClock]:
+    """Train ``cfg`` on the simulated clock; the loss curve and the clock with every round."""
+    clock = SimClock(cfg, compute_s, work_s, close_s)
+    result = simulate(cfg, val_every_round=True, clock=clock)
+    total = sum(sum(r.compute_s.values()) for r in clock.rounds)
+    applied = sum(r.compute_s[i] for r in clock.rounds for i in r.chosen)
+    curve = Curve([r.closed_at for r in clock.rounds], result.val_losses, applied / total if total else 0.0,
+                  [(r.chosen, r.reason) for r in clock.rounds], result.digest)
+    return curve, clock
+
+
+# ----- the comparison ------------------------------------------------------------------
+
+STRAGGLER_MODELS = {
+    # shifted exponential: every round each worker waits 0.1 compute plus a draw of mean 0.5
+    "exp": lambda compute_s: f"exp:{0.1 * compute_s:g}:{0.5 * compute_s:g}",
+    # Markov slow/fast state per worker, 4x slow, slow about 1 round in 5
+    "markov": lambda compute_s: "markov:0.1:0.4:4",
+}
+LINK_MIX = ("50mbit/25ms", "20mbit/50ms", "10mbit/50ms", "5mbit/100ms")  # dealt round-robin
+
+
+def scheme_overrides(scheme: str, n: int) -> dict[str, Any]:
+    """The coding settings of ``scheme`` at n workers: one straggler tolerated by the coded
+    and quorum schemes (s = 1), none by ``none``."""
+    return {"coding.scheme": scheme, "coding.stragglers": 0 if scheme == "none" else 1}
+
+
+@dataclass(frozen=True)
+class Job:
+    scheme: str
+    n: int
+    seed: int
+    model: str
+    args: dict[str, Any]
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    a = job.args
+    profile = STRAGGLER_MODELS[job.model](a["compute_s"])
+    cfg = load_config(overrides={
+        "task.model": a["model"], "task.seq_len": a["seq_len"], "task.batch_size": a["batch_size"],
+        "task.val_windows": a["val_windows"], "task.corpus_bytes": a["corpus_bytes"],
+        "inner.steps": a["inner_steps"], "inner.warmup_steps": min(4, a["inner_steps"]),
+        "workers": job.n, "rounds": a["rounds"], "seed": job.seed,
+        "coordinator.deadline_s": a["deadline_s"], "stragglers.default": profile,
+        "network.per_worker": [LINK_MIX[i % len(LINK_MIX)] for i in range(job.n)],
+        **scheme_overrides(job.scheme, job.n)})
+    start = time.monotonic()
+    curve, _ = run_clocked(cfg, a["compute_s"], a["work_s"], a["close_s"])
+    return {"scheme": job.scheme, "n": job.n, "seed": job.seed, "model": job.model, "times": curve.times,
+            "losses": curve.losses, "applied_share": curve.applied_share,
+            "seconds": time.monotonic() - start}
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (model, n): each scheme's loss at equal wall time (the earliest end of any
+    scheme's run of that seed), at equal tokens (its last round), its time to reach
+    ``none``'s final loss, the share of compute applied; pgc-fr - quorum, paired by seed."""
+    out: dict[str, Any] = {}
+    groups = sorted({(r["model"], r["n"]) for r in results})
+    for model, n in groups:
+        runs = {(r["scheme"], r["seed"]): r for r in results if r["model"] == model and r["n"] == n}
+        seeds = sorted({seed for _, seed in runs})
+        schemes = [sc for sc in SCHEMES if any(k[0] == sc for k in runs)]
+        rows: dict[str, Any] = {}
+        at_time: dict[str, dict[int, float]] = {sc: {} for sc in schemes}
+        for seed in seeds:
+            curves = {sc: Curve(runs[sc, seed]["times"], runs[sc, seed]["losses"], runs[sc, seed]["applied_share"])
+                      for sc in schemes if (sc, seed) in runs}
+            horizon = min(c.times[-1] for c in curves.values())
+            for sc, c in curves.items():
+                at_time[sc][seed] = c.loss_at(horizon)
+        for sc in schemes:
+            mine = [runs[sc, s] for s in seeds if (sc, s) in runs]
+            to_loss = []
+            for s in seeds:
+                if (sc, s) in runs and ("none", s) in runs:
+                    target = runs["none", s]["losses"][-1]
+                    c = Curve(runs[sc, s]["times"], runs[sc, s]["losses"], 0.0)
+                    to_loss.append(c.time_to(target) / runs["none", s]["times"][-1])
+            rows[sc] = {
+                "loss_at_equal_time": interval(list(at_time[sc].values())),
+                "loss_at_equal_tokens": interval([r["losses"][-1] for r in mine]),
+                # None: some seed never reached none's final loss
+                "time_to_loss": statistics.mean(to_loss) if to_loss and all(map(math.isfinite, to_loss)) else None,
+                "applied_share": statistics.mean(r["applied_share"] for r in mine),
+                "run_seconds": statistics.mean(r["times"][-1] for r in mine),
+            }
+        entry: dict[str, Any] = {"schemes": rows}
+        if "pgc-fr" in at_time and "quorum" in at_time:
+            diffs = [at_time["pgc-fr"][s] - at_time["quorum"][s] for s in seeds
+                     if s in at_time["pgc-fr"] and s in at_time["quorum"]]
+            entry["pgc_fr_minus_quorum"] = {"mean": statistics.mean(diffs), "upper": upper95(diffs),
+                                            "seeds": len(diffs)}
+        out[f"{model} n={n}"] = entry
+    return out
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    for group, entry in summary.items():
+        print(f"\n{group}")
+        print(f"{'scheme':8} {'loss @ time':>22} {'loss @ tokens':>14} {'time to none':>13} "
+              f"{'applied':>8} {'run s':>9}")
+        for sc, row in entry["schemes"].items():
+            t = row["loss_at_equal_time"]
+            spread = f"[{t['lower95']:.4f}, {t['upper95']:.4f}]" if t["lower95"] is not None else "(one seed)"
+            print(f"{sc:8} {t['mean']:10.4f} {spread:>20} "
+                  f"{row['loss_at_equal_tokens']['mean']:14.4f} {_ratio(row['time_to_loss']):>13} "
+                  f"{row['applied_share']:8.3f} {row['run_seconds']:9.1f}")
+        if "pgc_fr_minus_quorum" in entry:
+            d = entry["pgc_fr_minus_quorum"]
+            print(f"pgc-fr - quorum at equal time: {d['mean']:+.4f} (one-sided 95 % upper {d['upper']:+.4f}, "
+                  f"{d['seeds']} seeds)")
+
+
+def _ratio(value: float | None) -> str:
+    return "never" if value is None else f"{value:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", default="8,32", help="comma-separated worker counts (default 8,32)")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--models", default="exp,markov", help=f"straggler models, of: {', '.join(STRAGGLER_MODELS)}")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--compute-s", type=float, default=10.0, help="seconds of compute per partition and round")
+    p.add_argument("--work-s", type=float, default=0.0, help="seconds of encode and apply per round")
+    p.add_argument("--close-s", type=float, default=0.0, help="the coordinator's seconds from decision to publish")
+    p.add_argument("--deadline-s", type=float, default=600.0)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--inner-steps", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--val-windows", type=int, default=64)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="n = 4, 2 seeds, 4 rounds of H = 2: a smoke test")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.seeds, args.rounds, args.inner_steps, args.models = "4", 2, 4, 2, "exp"
+        args.schemes, args.val_windows, args.corpus_bytes = "none,quorum,pgc-fr", 16, 300_000
+    schemes = args.schemes.split(",")
+    unknown = [sc for sc in schemes if sc not in SCHEMES] + [m for m in args.models.split(",")
+                                                             if m not in STRAGGLER_MODELS]
+    if unknown:
+        p.error(f"unknown scheme or straggler model {unknown[0]!r}")
+    if "none" not in schemes:
+        schemes.insert(0, "none")  # the reference every figure is judged against
+    shared = {"compute_s": args.compute_s, "work_s": args.work_s, "close_s": args.close_s, "deadline_s": args.deadline_s,
+              "model": args.model, "inner_steps": args.inner_steps, "seq_len": args.seq_len,
+              "batch_size": args.batch_size, "val_windows": args.val_windows,
+              "corpus_bytes": args.corpus_bytes, "rounds": args.rounds}
+    jobs = [Job(sc, int(n), seed, model, shared) for model in args.models.split(",")
+            for n in args.n.split(",") for seed in range(args.seeds) for sc in schemes]
+    print(f"simclock: {len(jobs)} runs ({args.rounds} rounds each) on {args.jobs} processes", flush=True)
+    start, results = time.monotonic(), []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for done, result in enumerate(pool.map(run_job, jobs), 1):
+            results.append(result)
+            print(f"  [{done}/{len(jobs)}] {result['model']} n={result['n']} {result['scheme']} seed "
+                  f"{result['seed']}: loss {result['losses'][-1]:.4f} at {result['times'][-1]:.1f} s "
+                  f"simulated ({result['seconds']:.0f} s real)", flush=True)
+    summary = summarize(results)
+    print_table(summary)
+    print(f"\n{time.monotonic() - start:.0f} s in all")
+    task = load_config(overrides={"task.model": args.model, "task.corpus_bytes": args.corpus_bytes}).task
+    print(json.dumps({"groups": summary, "settings": shared, **provenance(task)}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
