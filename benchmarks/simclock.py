@@ -32,6 +32,7 @@ and parameters (tests/integration/test_simclock.py).
 
     python -m benchmarks.simclock --quick            # n = 4, two schemes, a few rounds
     python -m benchmarks.simclock --n 8 --seeds 5    # one part of the comparison
+    python -m benchmarks.simclock --validate         # real local runs at n = 4, 8 beside their simulations
 """
 
 from __future__ import annotations
@@ -311,17 +312,83 @@ def print_table(summary: dict[str, Any]) -> None:
                   f"{d['seeds']} seeds)")
 
 
+# ----- the validation against real processes --------------------------------------------
+
+VALIDATION_SCHEMES = ("none", "ignore", "quorum", "pgc-fr")
+VALIDATION_STRAGGLERS = "exp:0.5:1"  # every worker: 0.5 s plus a draw of mean 1 s, each round
+VALIDATION = {"task.model": "gpt-tiny", "task.seq_len": 32, "task.batch_size": 4, "task.val_windows": 16,
+              "task.corpus_bytes": 300_000, "inner.steps": 8, "inner.warmup_steps": 2,
+              "coordinator.checkpoint_every": 0, "coordinator.deadline_s": 120}
+
+
+def validation_config(scheme: str, n: int, rounds: int) -> dict[str, Any]:
+    return {**VALIDATION, "workers": n, "rounds": rounds, "stragglers.default": VALIDATION_STRAGGLERS,
+            "network.per_worker": [LINK_MIX[i % len(LINK_MIX)] for i in range(n)],
+            **scheme_overrides(scheme, n)}
+
+
+def validate_one(scheme: str, n: int, rounds: int, run_dir: str) -> dict[str, Any]:
+    """A real ``geoloco local`` run of ``scheme`` at n workers on shaped links, then its
+    simulation with the compute, work and close times the real run measured; rounds 1 on
+    (round 0 starts as each worker's FetchState ends, not at once)."""
+    from geoloco.launch import run_local
+
+    overrides = validation_config(scheme, n, rounds)
+    real = run_local(load_config(overrides={**overrides, "run_dir": run_dir}), stall_timeout_s=300)
+    if not real.ok:
+        raise RuntimeError(f"{scheme} at n = {n}: the real run failed ({real.error}); logs in {real.logs_dir}")
+    lines = real.metrics()[1:]
+
+    def mean_of(key: str) -> float:
+        values = [m[key] for m in lines if m.get(key) is not None]
+        return statistics.mean(values) if values else 0.0
+
+    partitions = statistics.mean(p for m in lines for p in m["partitions_trained"].values())
+    compute_s = mean_of("compute_seconds") / max(partitions, 1.0)
+    work_s = mean_of("encode_seconds") + mean_of("worker_apply_seconds_max")
+    close_s = mean_of("close_seconds")
+    _, clock = run_clocked(load_config(overrides=overrides), compute_s, work_s, close_s)
+    simulated = clock.rounds[1:]
+    same = sum((sorted(m["chosen"]), m["close_reason"]) == (r.chosen, r.reason)
+               for m, r in zip(lines, simulated, strict=True))
+    real_s = statistics.mean(m["round_seconds"] for m in lines)
+    sim_s = statistics.mean(r.closed_at - r.opened_at for r in simulated)
+    return {"scheme": scheme, "n": n, "real_round_s": real_s, "simulated_round_s": sim_s,
+            "ratio": sim_s / real_s, "decisions_equal": same / len(lines), "compute_s": compute_s,
+            "work_s": work_s, "close_s": close_s}
+
+
+def validate(ns: list[int], rounds: int, work: str) -> int:
+    """The validation table (simulated / real mean round time, rounds 1 on) and its JSON line."""
+    rows = []
+    print(f"{'n':>3} {'scheme':8} {'real s':>8} {'sim s':>8} {'sim/real':>9} {'same close':>11} "
+          f"{'compute':>8} {'work':>6} {'close':>6}", flush=True)
+    for n in ns:
+        for scheme in VALIDATION_SCHEMES:
+            row = validate_one(scheme, n, rounds, f"{work}/{scheme}-{n}")
+            rows.append(row)
+            print(f"{n:3} {scheme:8} {row['real_round_s']:8.3f} {row['simulated_round_s']:8.3f} "
+                  f"{row['ratio']:9.3f} {row['decisions_equal']:11.2f} {row['compute_s']:8.3f} "
+                  f"{row['work_s']:6.3f} {row['close_s']:6.3f}", flush=True)
+    worst = max(abs(r["ratio"] - 1) for r in rows)
+    print(f"worst |sim/real - 1|: {worst:.3f} (target 0.10)")
+    task = load_config(overrides=VALIDATION).task
+    print(json.dumps({"validation": rows, "worst_round_time_error": worst, "rounds": rounds,
+                      "stragglers": VALIDATION_STRAGGLERS, "links": list(LINK_MIX), **provenance(task)}))
+    return 0
+
+
 def _ratio(value: float | None) -> str:
     return "never" if value is None else f"{value:.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", default="8,32", help="comma-separated worker counts (default 8,32)")
+    p.add_argument("--n", default=None, help="comma-separated worker counts (default 8,32; --validate 4,8)")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--models", default="exp,markov", help=f"straggler models, of: {', '.join(STRAGGLER_MODELS)}")
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=None, help="default 30; --validate 12")
     p.add_argument("--compute-s", type=float, default=10.0, help="seconds of compute per partition and round")
     p.add_argument("--work-s", type=float, default=0.0, help="seconds of encode and apply per round")
     p.add_argument("--close-s", type=float, default=0.0, help="the coordinator's seconds from decision to publish")
@@ -334,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="n = 4, 2 seeds, 4 rounds of H = 2: a smoke test")
+    p.add_argument("--validate", action="store_true",
+                   help="real geoloco local runs of none, ignore, quorum and pgc-fr at --n (default 4,8) "
+                        "beside their simulations: the round-time table")
+    p.add_argument("--run-dir", default="runs/bench-simclock", help="--validate: where the real runs go")
     args = p.parse_args(argv)
+    if args.validate:
+        return validate([int(n) for n in (args.n or "4,8").split(",")], args.rounds or 12, args.run_dir)
+    args.n, args.rounds = args.n or "8,32", args.rounds or 30
     if args.quick:
         args.n, args.seeds, args.rounds, args.inner_steps, args.models = "4", 2, 4, 2, "exp"
         args.schemes, args.val_windows, args.corpus_bytes = "none,quorum,pgc-fr", 16, 300_000
