@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_processes import SMALL, TOKEN, run_worker_threads, worker_reports
+from run_processes import SMALL, TOKEN, run_worker_threads, wait_until, worker_reports
 
 from geoloco.config import load_config
 from geoloco.coordinator.app import Coordinator
@@ -68,6 +68,8 @@ def test_a_worker_slower_to_start_than_liveness_keeps_its_slot(tmp_path: Path) -
         if i != len(workers) - 1:  # once every worker runs
             return
         assert slow.starting.wait(120), "the slow worker never reached FetchState"
+        wait_until(lambda: slow.worker_id in coord.state.overview().following, 60,
+                   "the coordinator to see the slow worker's starting stream")
         time.sleep(3 * LIVENESS_S)  # it has had no real stream for 3x liveness_s since its Join
         with pytest.raises(JoinRefused) as refused:
             join_once(address)
