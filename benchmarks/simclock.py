@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-s", type=float, default=0.0, help="seconds of encode and apply per round")
     p.add_argument("--close-s", type=float, default=0.0, help="the coordinator's seconds from decision to publish")
     p.add_argument("--deadline-s", type=float, default=600.0)
-    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--model", default="gpt-tiny", help="gpt-nano for n in the hundreds")
     p.add_argument("--inner-steps", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)

@@ -22,7 +22,7 @@ from geoloco.profiles import (
 )
 from geoloco.transport import AddressError, parse_address
 
-MODEL_PRESETS = ("gpt-tiny", "gpt-small", "gpt-medium", "gpt-100m")
+MODEL_PRESETS = ("gpt-nano", "gpt-tiny", "gpt-small", "gpt-medium", "gpt-100m")
 METHODS = ("sparseloco", "diloco")
 SCHEMES = ("none", "ignore", "quorum", "gc-fr", "gc-cr", "pgc-fr", "pgc-cr")
 LATE_WORK = ("keep", "drop")  # coding.late: what a quorum round does with the frames it closed without

@@ -31,6 +31,7 @@ class GPTConfig:
 
 # name -> (n_layer, n_head, d_model); the sizes are the parameter counts at seq_len 64.
 PRESETS: dict[str, tuple[int, int, int]] = {
+    "gpt-nano": (2, 2, 64),  # ~0.12M: hundreds of simulated workers in one process (benchmarks.simclock)
     "gpt-tiny": (5, 4, 128),  # ~1.03M: tests and demos on a few CPU cores
     "gpt-small": (6, 6, 384),  # ~10.7M: nanoGPT's shakespeare-char shape
     "gpt-medium": (10, 8, 512),  # ~31.6M
