@@ -101,7 +101,7 @@ def test_validation_set_has_val_windows_windows_in_stream_order(task):
 
 @pytest.mark.parametrize(
     "model, stated",
-    [("gpt-tiny", 1e6), ("gpt-small", 10e6), ("gpt-medium", 30e6), ("gpt-100m", 100e6)],
+    [("gpt-nano", 0.12e6), ("gpt-tiny", 1e6), ("gpt-small", 10e6), ("gpt-medium", 30e6), ("gpt-100m", 100e6)],
 )
 def test_preset_sizes(model, stated):
     n = count_parameters(model, seq_len=64)
