@@ -5,7 +5,10 @@ coordinator process, n = 4, 16 and 64.
 Per n it prints the coordinator's round-close time (the last frame's bytes in -> validated,
 broadcast, applied and digested: metrics.jsonl's close_seconds + coordinator_apply_seconds),
 frames/s and MB/s decoded over that time, p50/p99 push latency as the workers saw it, the
-coordinator's peak RSS, and the bytes each worker downloads per round. The targets at the
+coordinator's peak RSS, and the bytes each worker downloads per round; then where the close
+goes, phase by phase (the frames' check and decode as they arrive, the frame guard, the
+outer step, the round log, the hand-over to the streams, the apply, the digest), with the
+coordinator's resident MB at the end of each phase. The targets at the
 largest n: close time <= 1.5 x (n x one frame's decode_apply time, measured in this run),
 and peak RSS <= model + optimizer state (none for SparseLoCo's outer SGD) + 2 x the frames
 in flight + 500 MB. Download per worker is the n frames of the round: it grows linearly in
@@ -37,6 +40,7 @@ from geoloco import transport
 from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, decode_frame
 from geoloco.compression.memory import huge_page_buffer
 from geoloco.config import load_config
+from geoloco.coordinator.metrics import CLOSE_PHASES
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
@@ -177,7 +181,19 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path) -> dict:
     latencies.sort()
     return {"n": n, "close_s": close, "frames_per_s": n / close, "mb_per_s": n * len(base) / close / 1e6,
             "push_p50_s": latencies[len(latencies) // 2], "push_p99_s": latencies[int(0.99 * (len(latencies) - 1))],
-            "peak_rss_mb": rss, "download_bytes_per_worker": lines[-1]["download_bytes_per_worker"]}
+            "peak_rss_mb": rss, "download_bytes_per_worker": lines[-1]["download_bytes_per_worker"],
+            **close_breakdown(lines)}
+
+
+def close_breakdown(lines: list[dict]) -> dict:
+    """Where the close went (metrics.jsonl's close_phases, median over the rounds): the
+    frames' check and decode as they arrived (decode_seconds x frames: before the close,
+    on the Push threads), then each phase after the close decision; and the resident MB at
+    the end of each phase (the largest over the rounds)."""
+    phases = {"validate": statistics.median(m["decode_seconds"] * len(m["arrived"]) for m in lines)}
+    phases |= {p: statistics.median(m["close_phases"][p] for m in lines) for p in CLOSE_PHASES}
+    rss = {p: max(m["close_rss_bytes"][p] or 0 for m in lines) / 1e6 for p in CLOSE_PHASES}
+    return {"phases_s": phases, "rss_mb_by_phase": rss}
 
 
 def zero_params(layout: Layout) -> list[torch.Tensor]:
@@ -231,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['mb_per_s']:>7.1f} {r['push_p50_s']:>9.3f} {r['push_p99_s']:>9.3f} "
               f"{r['peak_rss_mb']:>12.0f} {r['rss_target_mb']:>11.0f} "
               f"{r['download_bytes_per_worker'] / 1e6:>15.1f}")
+    print("\nwhere the close goes (s, median over rounds; resident MB at the end of each phase, max):")
+    print(f"{'n':>4} " + " ".join(f"{p:>10}" for p in rows[0]["phases_s"]) + "  | "
+          + " ".join(f"{p:>9}" for p in CLOSE_PHASES))
+    for r in rows:
+        print(f"{r['n']:>4} " + " ".join(f"{v:>10.4f}" for v in r["phases_s"].values()) + "  | "
+              + " ".join(f"{r['rss_mb_by_phase'][p]:>9.0f}" for p in CLOSE_PHASES))
     last = rows[-1]
     print(json.dumps({"params": layout.numel, "frame_bytes": len(base), "decode_apply_s": one,
                       "rows": rows, "close_ratio": last["close_s"] / last["close_target_s"],

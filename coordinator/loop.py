@@ -20,7 +20,13 @@ from geoloco.compression import encode_dense
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint, roundlog
 from geoloco.coordinator.bounds import FrameBounds
-from geoloco.coordinator.metrics import MetricsWriter, RoundMetrics, RoundTiming, round_metrics
+from geoloco.coordinator.metrics import (
+    ClosePhases,
+    MetricsWriter,
+    RoundMetrics,
+    RoundTiming,
+    round_metrics,
+)
 from geoloco.coordinator.outer import OuterOptimizer, Update
 from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
 from geoloco.coordinator.state import CoordinatorState
@@ -145,8 +151,10 @@ class RoundLoop:
         rs = self.state.wait_for_close(self.policy)
         if rs is None:
             return  # stopping
+        phases = ClosePhases()
         self.policy.observe(rs.times())
         verdict = self.bounds.bound_round(rs, self.policy)
+        phases.end("bounds")
         update = self.outer.step(rs.round, rs.chosen(), rs.decision)
         settlements = {i: self.policy.settlement(rs.decision, i) for i in range(self.cfg.workers)}
         if update.aggregated:
@@ -160,13 +168,16 @@ class RoundLoop:
             settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
         self.bounds.remember(rs.round, update)
         closed = round_result(rs, update, settlements, finished=rs.round == self.cfg.rounds - 1)
+        phases.end("aggregate")
         self.log_decision(rs, closed, update)
+        phases.end("log")
         self.crash_point("decision", rs.round)
         with self.state.publishing(closed):  # FetchState waits for the apply
             timing = RoundTiming(published_at=time.monotonic(), wall_time=time.time(),
-                                 elapsed_seconds=self.elapsed_seconds())
+                                 elapsed_seconds=self.elapsed_seconds(), phases=phases)
+            phases.end("publish")
             self.crash_point("broadcast", rs.round)
-            self.state.apply(update, closed)
+            self.state.apply(update, closed, phases)
         timing.applied_at = time.monotonic()
         if rs.opened_at is not None:
             self.round_seconds = timing.published_at - rs.opened_at

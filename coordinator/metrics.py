@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,10 @@ class RoundMetrics:
     # "aggregate", one frame the coordinator made (SparseLoCo's aggregated result, DiLoCo's
     # dense update); None where nothing was applied
     broadcast: str | None = None
+    # where the close went, phase by phase, in order (ClosePhases): seconds of each, and the
+    # coordinator's resident bytes at the end of each (None where /proc cannot be read)
+    close_phases: dict[str, float] = field(default_factory=dict)
+    close_rss_bytes: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def upload_bytes_mean(self) -> float | None:
@@ -90,15 +95,47 @@ class RoundMetrics:
         return json.dumps(_finite(data), sort_keys=True)
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+CLOSE_PHASES = ("bounds", "aggregate", "log", "publish", "apply", "digest")  # run_round's order
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (/proc/self/statm), None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * PAGE_BYTES
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ClosePhases:
+    """Seconds and resident bytes at the end of each phase of a round's close (CLOSE_PHASES:
+    the frame guard, the outer step, the round log's write, the hand-over to the Rounds
+    streams, the apply, the digest), each phase from the end of the one before; the first
+    from the moment the round's close was decided."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.rss: dict[str, int | None] = {}
+        self._mark = time.monotonic()
+
+    def end(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = now - self._mark
+        self.rss[phase] = resident_bytes()
+        self._mark = now
+
+
 @dataclass
 class RoundTiming:
     """The coordinator's clock for one round after it closed: monotonic readings, the wall
-    clock at the broadcast, and the run's elapsed time then."""
+    clock at the broadcast, the run's elapsed time then, and the close's phases."""
 
     published_at: float
     applied_at: float = 0.0
     wall_time: float | None = None
     elapsed_seconds: float | None = None
+    phases: ClosePhases | None = None
 
 
 def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
@@ -147,6 +184,8 @@ def round_metrics(rs: RoundState, closed: ClosedRound, timing: RoundTiming,
         density_by_worker={a.worker: a.density for a in arrivals if a.density},
         upload_rate_by_worker={a.worker: a.upload_rate for a in arrivals if a.upload_rate},
         broadcast=broadcast_of(closed),
+        close_phases=dict(timing.phases.seconds) if timing.phases else {},
+        close_rss_bytes=dict(timing.phases.rss) if timing.phases else {},
     )
 
 

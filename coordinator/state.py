@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Layout, encode_dense
-from geoloco.coordinator.metrics import RunTotals
+from geoloco.coordinator.metrics import ClosePhases, RunTotals
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
@@ -302,13 +302,17 @@ class CoordinatorState:
                 self.lock.notify_all()
             yield
 
-    def apply(self, update: Update, closed: ClosedRound) -> None:
+    def apply(self, update: Update, closed: ClosedRound, phases: ClosePhases | None = None) -> None:
         """The outer step on the parameters; the digest it sets is what the Rounds streams
-        send after the frames (an error ends them instead)."""
+        send after the frames (an error ends them instead). ``phases`` times both."""
         try:
             with torch.no_grad():
                 apply_update(self.params, update)
+            if phases is not None:
+                phases.end("apply")
             closed.digest.set_result(self.digest())
+            if phases is not None:
+                phases.end("digest")
         except BaseException as exc:
             closed.digest.set_exception(exc)
             raise

@@ -19,7 +19,7 @@ from geoloco.config import RunConfig, load_config
 from geoloco.coordinator import checkpoint
 from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.loop import RoundLoop, round_result
-from geoloco.coordinator.metrics import RunTotals
+from geoloco.coordinator.metrics import CLOSE_PHASES, RunTotals
 from geoloco.coordinator.outer import make_outer
 from geoloco.coordinator.registry import WorkerRecord, WorkerRegistry
 from geoloco.coordinator.rounds import CodePolicy, RoundState
@@ -125,6 +125,8 @@ def test_a_round_is_applied_as_a_replica_applies_its_broadcast(tmp_path: Path) -
     assert line["round"] == 0 and line["close_reason"] == "all arrived"
     assert line["val_loss"] == pytest.approx(ParamSum().val_loss(run.model))  # after the apply
     assert line["coordinator_apply_seconds"] >= 0 and line["close_seconds"] >= 0
+    assert set(line["close_phases"]) == set(CLOSE_PHASES) and min(line["close_phases"].values()) >= 0
+    assert set(line["close_rss_bytes"]) == set(CLOSE_PHASES) and all(b > 0 for b in line["close_rss_bytes"].values())
 
 
 def test_broadcast_goes_first_and_fetch_state_waits_for_the_apply(tmp_path: Path) -> None:
