@@ -11,13 +11,15 @@ worker's ``occupy``), so its core stays busy as a slower worker's compute would.
 (first codec calls; pipelined: the warm-up on every held partition) and the first round
 after each slow block (the straggler may still be finishing) are left out of the means.
 
-Cases: n = 4, s = 1; n = 8, s = 1; n = 8, s = 3; seeds 0..SEEDS-1 each (model init and
-data); schemes ``none`` (wait for all) and ``pgc-fr`` by default. The loss figure is the
+Cases: n = 4, s = 1; n = 8, s = 1; seeds 0..SEEDS-1 each (model init and data); schemes
+``none`` (wait for all), ``pgc-fr`` and ``quorum`` (close on n - s frames after the adaptive
+grace window, late work kept in the error feedback: the baseline that drops late work) by
+default. The loss figure is the
 final validation loss after the same rounds, relative to ``none`` of the same case and
 seed. The load average is recorded beside each run.
 
-    .venv/bin/python -m benchmarks.stragglers            # 18 runs, ~50 min on a busy 2-core machine
-    .venv/bin/python -m benchmarks.stragglers --rounds 8 --block 2   # ~2/3 of that
+    .venv/bin/python -m benchmarks.stragglers            # 30 runs of 16 rounds, ~2 h on a busy 2-core machine
+    .venv/bin/python -m benchmarks.stragglers --rounds 8 --block 2 --seeds 3   # about a quarter of that
     .venv/bin/python -m benchmarks.stragglers --quick    # smoke test: 2 workers, 6 rounds
 
 Prints a table per case (mean and sample standard deviation over seeds), writes a PNG of
@@ -61,7 +63,7 @@ class Settings:
 
 # gpt-tiny, 32-token sequences, batches of 8: one partition's H = 8 steps take ~0.5-1 s on
 # a busy core, well above the round's fixed costs (validation, codec, loopback gRPC).
-FULL = Settings(cases=((4, 1), (8, 1), (8, 3)), rounds=12, block=3, inner_steps=8, seeds=3)
+FULL = Settings(cases=((4, 1), (8, 1)), rounds=16, block=4, inner_steps=8, seeds=5)
 QUICK = Settings(cases=((2, 1),), rounds=6, block=2, inner_steps=2, seeds=1)
 TASK = {
     "task.model": "gpt-tiny", "task.seq_len": "32", "task.batch_size": "8",
@@ -197,9 +199,9 @@ def parse_schemes(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny settings (smoke test), no plot")
-    parser.add_argument("--schemes", default="none,pgc-fr",
-                        help="comma-separated schemes, none included (default: none,pgc-fr)")
-    parser.add_argument("--seeds", type=int, help="seeds per case (default 3)")
+    parser.add_argument("--schemes", default="none,pgc-fr,quorum",
+                        help="comma-separated schemes, none included (default: none,pgc-fr,quorum)")
+    parser.add_argument("--seeds", type=int, help=f"seeds per case (default {FULL.seeds})")
     parser.add_argument("--rounds", type=int, help=f"rounds per run (default {FULL.rounds})")
     parser.add_argument("--block", type=int, help=f"rounds per fast or slow block (default {FULL.block})")
     parser.add_argument("--work-dir", type=Path, help="keep the run directories here")
