@@ -218,9 +218,9 @@ STRAGGLER_MODELS = {
 LINK_MIX = ("50mbit/25ms", "20mbit/50ms", "10mbit/50ms", "5mbit/100ms")  # dealt round-robin
 
 
-def scheme_overrides(scheme: str, n: int) -> dict[str, Any]:
-    """The coding settings of ``scheme`` at n workers: one straggler tolerated by the coded
-    and quorum schemes (s = 1), none by ``none``."""
+def scheme_overrides(scheme: str) -> dict[str, Any]:
+    """The coding settings of ``scheme``: one straggler tolerated by the coded and quorum
+    schemes (s = 1), none by ``none``."""
     return {"coding.scheme": scheme, "coding.stragglers": 0 if scheme == "none" else 1}
 
 
@@ -229,13 +229,13 @@ class Job:
     scheme: str
     n: int
     seed: int
-    model: str
+    straggler: str  # a key of STRAGGLER_MODELS
     args: dict[str, Any]
 
 
 def run_job(job: Job) -> dict[str, Any]:
     a = job.args
-    profile = STRAGGLER_MODELS[job.model](a["compute_s"])
+    profile = STRAGGLER_MODELS[job.straggler](a["compute_s"])
     cfg = load_config(overrides={
         "task.model": a["model"], "task.seq_len": a["seq_len"], "task.batch_size": a["batch_size"],
         "task.val_windows": a["val_windows"], "task.corpus_bytes": a["corpus_bytes"],
@@ -243,22 +243,22 @@ def run_job(job: Job) -> dict[str, Any]:
         "workers": job.n, "rounds": a["rounds"], "seed": job.seed,
         "coordinator.deadline_s": a["deadline_s"], "stragglers.default": profile,
         "network.per_worker": [LINK_MIX[i % len(LINK_MIX)] for i in range(job.n)],
-        **scheme_overrides(job.scheme, job.n)})
+        **scheme_overrides(job.scheme)})
     start = time.monotonic()
     curve, _ = run_clocked(cfg, a["compute_s"], a["work_s"], a["close_s"])
-    return {"scheme": job.scheme, "n": job.n, "seed": job.seed, "model": job.model, "times": curve.times,
+    return {"scheme": job.scheme, "n": job.n, "seed": job.seed, "straggler": job.straggler, "times": curve.times,
             "losses": curve.losses, "applied_share": curve.applied_share,
             "seconds": time.monotonic() - start}
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per (model, n): each scheme's loss at equal wall time (the earliest end of any
+    """Per (straggler model, n): each scheme's loss at equal wall time (the earliest end of any
     scheme's run of that seed), at equal tokens (its last round), its time to reach
     ``none``'s final loss, the share of compute applied; pgc-fr - quorum, paired by seed."""
     out: dict[str, Any] = {}
-    groups = sorted({(r["model"], r["n"]) for r in results})
-    for model, n in groups:
-        runs = {(r["scheme"], r["seed"]): r for r in results if r["model"] == model and r["n"] == n}
+    groups = sorted({(r["straggler"], r["n"]) for r in results})
+    for straggler, n in groups:
+        runs = {(r["scheme"], r["seed"]): r for r in results if r["straggler"] == straggler and r["n"] == n}
         seeds = sorted({seed for _, seed in runs})
         schemes = [sc for sc in SCHEMES if any(k[0] == sc for k in runs)]
         rows: dict[str, Any] = {}
@@ -291,7 +291,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                      if s in at_time["pgc-fr"] and s in at_time["quorum"]]
             entry["pgc_fr_minus_quorum"] = {"mean": statistics.mean(diffs), "upper": upper95(diffs),
                                             "seeds": len(diffs)}
-        out[f"{model} n={n}"] = entry
+        out[f"{straggler} n={n}"] = entry
     return out
 
 
@@ -324,7 +324,7 @@ VALIDATION = {"task.model": "gpt-tiny", "task.seq_len": 32, "task.batch_size": 4
 def validation_config(scheme: str, n: int, rounds: int) -> dict[str, Any]:
     return {**VALIDATION, "workers": n, "rounds": rounds, "stragglers.default": VALIDATION_STRAGGLERS,
             "network.per_worker": [LINK_MIX[i % len(LINK_MIX)] for i in range(n)],
-            **scheme_overrides(scheme, n)}
+            **scheme_overrides(scheme)}
 
 
 def validate_one(scheme: str, n: int, rounds: int, run_dir: str) -> dict[str, Any]:
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", default=None, help="comma-separated worker counts (default 8,32; --validate 4,8)")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--schemes", default=",".join(SCHEMES))
-    p.add_argument("--models", default="exp,markov", help=f"straggler models, of: {', '.join(STRAGGLER_MODELS)}")
+    p.add_argument("--straggler-models", default="exp,markov",
+                   help=f"comma-separated, of: {', '.join(STRAGGLER_MODELS)}")
     p.add_argument("--rounds", type=int, default=None, help="default 30; --validate 12")
     p.add_argument("--compute-s", type=float, default=10.0, help="seconds of compute per partition and round")
     p.add_argument("--work-s", type=float, default=0.0, help="seconds of encode and apply per round")
@@ -410,10 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         return validate([int(n) for n in (args.n or "4,8").split(",")], args.rounds or 12, args.run_dir)
     args.n, args.rounds = args.n or "8,32", args.rounds or 30
     if args.quick:
-        args.n, args.seeds, args.rounds, args.inner_steps, args.models = "4", 2, 4, 2, "exp"
+        args.n, args.seeds, args.rounds, args.inner_steps, args.straggler_models = "4", 2, 4, 2, "exp"
         args.schemes, args.val_windows, args.corpus_bytes = "none,quorum,pgc-fr", 16, 300_000
     schemes = args.schemes.split(",")
-    unknown = [sc for sc in schemes if sc not in SCHEMES] + [m for m in args.models.split(",")
+    unknown = [sc for sc in schemes if sc not in SCHEMES] + [m for m in args.straggler_models.split(",")
                                                              if m not in STRAGGLER_MODELS]
     if unknown:
         p.error(f"unknown scheme or straggler model {unknown[0]!r}")
@@ -423,14 +424,14 @@ def main(argv: list[str] | None = None) -> int:
               "model": args.model, "inner_steps": args.inner_steps, "seq_len": args.seq_len,
               "batch_size": args.batch_size, "val_windows": args.val_windows,
               "corpus_bytes": args.corpus_bytes, "rounds": args.rounds}
-    jobs = [Job(sc, int(n), seed, model, shared) for model in args.models.split(",")
+    jobs = [Job(sc, int(n), seed, straggler, shared) for straggler in args.straggler_models.split(",")
             for n in args.n.split(",") for seed in range(args.seeds) for sc in schemes]
     print(f"simclock: {len(jobs)} runs ({args.rounds} rounds each) on {args.jobs} processes", flush=True)
     start, results = time.monotonic(), []
     with ProcessPoolExecutor(args.jobs) as pool:
         for done, result in enumerate(pool.map(run_job, jobs), 1):
             results.append(result)
-            print(f"  [{done}/{len(jobs)}] {result['model']} n={result['n']} {result['scheme']} seed "
+            print(f"  [{done}/{len(jobs)}] {result['straggler']} n={result['n']} {result['scheme']} seed "
                   f"{result['seed']}: loss {result['losses'][-1]:.4f} at {result['times'][-1]:.1f} s "
                   f"simulated ({result['seconds']:.0f} s real)", flush=True)
     summary = summarize(results)
