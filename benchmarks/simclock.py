@@ -31,7 +31,8 @@ function of its config and ``compute_s``: the same inputs give the same times, d
 and parameters (tests/integration/test_simclock.py).
 
     python -m benchmarks.simclock --quick            # n = 4, two schemes, a few rounds
-    python -m benchmarks.simclock --n 8 --seeds 5    # one part of the comparison
+    python -m benchmarks.simclock                    # n = 8, 32, 5 seeds, 2 straggler models
+    python -m benchmarks.simclock --n 128,256 --seeds 2 --model gpt-nano    # the large n
     python -m benchmarks.simclock --validate         # real local runs at n = 4, 8 beside their simulations
 """
 
