@@ -32,7 +32,7 @@ and parameters (tests/integration/test_simclock.py).
 
     python -m benchmarks.simclock --quick            # n = 4, two schemes, a few rounds
     python -m benchmarks.simclock                    # n = 8, 32, 5 seeds, 2 straggler models
-    python -m benchmarks.simclock --n 128,256 --seeds 2 --model gpt-nano    # the large n
+    python -m benchmarks.simclock --n 128 --seeds 2                 # the large n
     python -m benchmarks.simclock --validate         # real local runs at n = 4, 8 beside their simulations
 """
 
@@ -221,8 +221,29 @@ LINK_MIX = ("50mbit/25ms", "20mbit/50ms", "10mbit/50ms", "5mbit/100ms")  # dealt
 
 def scheme_overrides(scheme: str) -> dict[str, Any]:
     """The coding settings of ``scheme``: one straggler tolerated by the coded and quorum
-    schemes (s = 1), none by ``none``."""
-    return {"coding.scheme": scheme, "coding.stragglers": 0 if scheme == "none" else 1}
+    schemes (s = 1), none by ``none``. ``quorum:G`` is ``quorum`` with its adaptive grace
+    window at G times the recent median arrival spread (``coding.grace_spread``);
+    ``quorum:G:drop`` (or ``:keep``) sets ``coding.late`` too."""
+    name, *variant = scheme.split(":")
+    out: dict[str, Any] = {"coding.scheme": name, "coding.stragglers": 0 if name == "none" else 1}
+    if variant:
+        out["coding.grace_spread"] = float(variant[0])
+    if len(variant) > 1:
+        out["coding.late"] = variant[1]
+    return out
+
+
+def known_scheme(scheme: str) -> bool:
+    """One of SCHEMES, or ``quorum:G`` / ``quorum:G:LATE`` with G a number >= 0 and LATE
+    one of coding.late's values."""
+    name, *variant = scheme.split(":")
+    if not variant:
+        return scheme in SCHEMES
+    try:
+        grace_ok = float(variant[0]) >= 0
+    except ValueError:
+        return False
+    return name == "quorum" and grace_ok and len(variant) <= 2 and variant[1:] in ([], ["keep"], ["drop"])
 
 
 @dataclass(frozen=True)
@@ -261,7 +282,7 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     for straggler, n in groups:
         runs = {(r["scheme"], r["seed"]): r for r in results if r["straggler"] == straggler and r["n"] == n}
         seeds = sorted({seed for _, seed in runs})
-        schemes = [sc for sc in SCHEMES if any(k[0] == sc for k in runs)]
+        schemes = list(dict.fromkeys(k[0] for k in runs))  # in the order they were run
         rows: dict[str, Any] = {}
         at_time: dict[str, dict[int, float]] = {sc: {} for sc in schemes}
         for seed in seeds:
@@ -299,12 +320,12 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(summary: dict[str, Any]) -> None:
     for group, entry in summary.items():
         print(f"\n{group}")
-        print(f"{'scheme':8} {'loss @ time':>22} {'loss @ tokens':>14} {'time to none':>13} "
+        print(f"{'scheme':12} {'loss @ time':>22} {'loss @ tokens':>14} {'time to none':>13} "
               f"{'applied':>8} {'run s':>9}")
         for sc, row in entry["schemes"].items():
             t = row["loss_at_equal_time"]
             spread = f"[{t['lower95']:.4f}, {t['upper95']:.4f}]" if t["lower95"] is not None else "(one seed)"
-            print(f"{sc:8} {t['mean']:10.4f} {spread:>20} "
+            print(f"{sc:12} {t['mean']:10.4f} {spread:>20} "
                   f"{row['loss_at_equal_tokens']['mean']:14.4f} {_ratio(row['time_to_loss']):>13} "
                   f"{row['applied_share']:8.3f} {row['run_seconds']:9.1f}")
         if "pgc_fr_minus_quorum" in entry:
@@ -387,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", default=None, help="comma-separated worker counts (default 8,32; --validate 4,8)")
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds --first-seed .. + --seeds - 1 (a tuning sweep takes seeds the comparison does not)")
+    p.add_argument("--schemes", default=",".join(SCHEMES),
+                   help=f"comma-separated, of: {', '.join(SCHEMES)}, quorum:G[:keep|drop] "
+                        "(grace G x the median spread; late work)")
     p.add_argument("--straggler-models", default="exp,markov",
                    help=f"comma-separated, of: {', '.join(STRAGGLER_MODELS)}")
     p.add_argument("--rounds", type=int, default=None, help="default 30; --validate 12")
@@ -395,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-s", type=float, default=0.0, help="seconds of encode and apply per round")
     p.add_argument("--close-s", type=float, default=0.0, help="the coordinator's seconds from decision to publish")
     p.add_argument("--deadline-s", type=float, default=600.0)
-    p.add_argument("--model", default="gpt-tiny", help="gpt-nano for n in the hundreds")
+    p.add_argument("--model", default="gpt-nano",
+                   help="gpt-nano (0.12M) by default: one model at every n, and n = 256 fits on 2 cores")
     p.add_argument("--inner-steps", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=4)
@@ -415,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         args.n, args.seeds, args.rounds, args.inner_steps, args.straggler_models = "4", 2, 4, 2, "exp"
         args.schemes, args.val_windows, args.corpus_bytes = "none,quorum,pgc-fr", 16, 300_000
     schemes = args.schemes.split(",")
-    unknown = [sc for sc in schemes if sc not in SCHEMES] + [m for m in args.straggler_models.split(",")
+    unknown = [sc for sc in schemes if not known_scheme(sc)] + [m for m in args.straggler_models.split(",")
                                                              if m not in STRAGGLER_MODELS]
     if unknown:
         p.error(f"unknown scheme or straggler model {unknown[0]!r}")
@@ -426,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
               "batch_size": args.batch_size, "val_windows": args.val_windows,
               "corpus_bytes": args.corpus_bytes, "rounds": args.rounds}
     jobs = [Job(sc, int(n), seed, straggler, shared) for straggler in args.straggler_models.split(",")
-            for n in args.n.split(",") for seed in range(args.seeds) for sc in schemes]
+            for n in args.n.split(",") for seed in range(args.first_seed, args.first_seed + args.seeds)
+            for sc in schemes]
     print(f"simclock: {len(jobs)} runs ({args.rounds} rounds each) on {args.jobs} processes", flush=True)
     start, results = time.monotonic(), []
     with ProcessPoolExecutor(args.jobs) as pool:

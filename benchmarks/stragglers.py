@@ -12,9 +12,8 @@ worker's ``occupy``), so its core stays busy as a slower worker's compute would.
 after each slow block (the straggler may still be finishing) are left out of the means.
 
 Cases: n = 4, s = 1; n = 8, s = 1; seeds 0..SEEDS-1 each (model init and data); schemes
-``none`` (wait for all), ``pgc-fr`` and ``quorum`` (close on n - s frames after the adaptive
-grace window, late work kept in the error feedback: the baseline that drops late work) by
-default. The loss figure is the
+``none`` (wait for all), ``pgc-fr`` and ``quorum`` (close on the (n - s)-th frame, late
+work dropped: the configured defaults of the baseline that drops late work) by default. The loss figure is the
 final validation loss after the same rounds, relative to ``none`` of the same case and
 seed. The load average is recorded beside each run.
 

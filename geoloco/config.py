@@ -166,11 +166,11 @@ class CodingConfig:
     # coding.grace_spread times the median arrival spread of the recent rounds
     grace_s: float | None = None
     # quorum, adaptive grace: the multiple of the recent rounds' median arrival spread (the
-    # seconds from a round's first frame to its last one in time)
-    grace_spread: float = 1.0
-    # quorum: a frame that missed its round stays in its worker's error feedback and is sent
-    # later ("keep"), or is dropped ("drop"; docs/decisions.md, "A quorum baseline")
-    late: str = "keep"
+    # seconds from a round's first frame to its last one in time); 0: close at the quorum
+    grace_spread: float = 0.0
+    # quorum: a frame that missed its round is dropped ("drop"), or stays in its worker's
+    # error feedback and is sent later ("keep"; docs/decisions.md, "A quorum baseline")
+    late: str = "drop"
 
     def tolerance(self, workers: int) -> int:
         """s, the workers a round may close without: coding.stragglers, or with scheme

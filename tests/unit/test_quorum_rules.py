@@ -108,7 +108,8 @@ def test_the_config_names_the_quorum_and_the_run_gets_its_policy() -> None:
     assert cfg.coding.tolerance(5) == 2
     code = make_code("quorum", 5, cfg.coding.tolerance(5))
     built = close_policy(code, cfg.coding)
-    assert isinstance(built, QuorumPolicy) and built.quorum == 3 and built.late == "keep" and built.grace_s is None
+    assert isinstance(built, QuorumPolicy) and built.quorum == 3 and built.late == "drop" and built.grace_s is None
+    assert built.grace_spread == 0.0  # close at the quorum: the tuned default (docs/decisions.md)
     assert isinstance(close_policy(make_code("ignore", 5, 1), cfg.coding), CodePolicy)
     cfg.coding.quorum, cfg.coding.stragglers = None, 1
     assert close_policy(make_code("quorum", 5, cfg.coding.tolerance(5)), cfg.coding).quorum == 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.simclock import SimClock, transfer_s
+from benchmarks.simclock import SimClock, known_scheme, scheme_overrides, transfer_s
 from geoloco.config import load_config
 from geoloco.coordinator.gradient_coding import make_code
 from geoloco.coordinator.outer import Update
@@ -96,3 +96,13 @@ def test_only_non_overlapped_rounds_are_modelled() -> None:
     cfg = load_config(overrides={"workers": 2, "outer.overlap": "delayed"})
     with pytest.raises(ValueError, match="overlap"):
         SimClock(cfg, compute_s=1.0)
+
+
+def test_a_quorum_variant_names_its_grace_multiple() -> None:
+    assert scheme_overrides("quorum:0.25") == {"coding.scheme": "quorum", "coding.stragglers": 1,
+                                                "coding.grace_spread": 0.25}
+    assert scheme_overrides("none") == {"coding.scheme": "none", "coding.stragglers": 0}
+    assert scheme_overrides("quorum:0:drop")["coding.late"] == "drop"
+    assert all(map(known_scheme, ["quorum:0", "quorum:1:keep", "quorum:0.5:drop", "pgc-fr"]))
+    assert not any(map(known_scheme, ["quorum:x", "quorum:-1", "quorum:1:lose", "quorum:1:drop:2",
+                                      "pgc-fr:0.5", "bogus"]))
