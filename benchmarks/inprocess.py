@@ -120,6 +120,9 @@ class Clock(Protocol):
         the round after the close but before the result reaches it (θ is still the
         round's)."""
 
+    def over(self) -> bool:
+        """True once the run ends before cfg.rounds (a time budget spent)."""
+
 
 def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: GradientCode | None = None,
              val_every_round: bool = False, val_tail: int = VAL_TAIL, clock: Clock | None = None) -> Result:
@@ -128,7 +131,7 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
     thread, as each process of ``geoloco local`` has (more threads change the rounding of
     the inner loop). There is no frame guard (coordinator.bounds): no frame is clipped or
     rejected, as in a run whose guard never fires. A ``clock`` closes each round instead
-    of ``stragglers``."""
+    of ``stragglers``, and may end the run sooner (``Clock.over``)."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -171,6 +174,8 @@ def simulate(cfg: RunConfig, stragglers: Stragglers = no_stragglers, code: Gradi
         if val_every_round or t >= cfg.rounds - val_tail:
             result.val_losses.append(task.val_loss(model))
             result.val_rounds.append(t)
+        if clock is not None and clock.over():
+            break
     result.digest = param_digest(params)
     return result
 

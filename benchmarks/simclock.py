@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks.inprocess import Play, simulate
@@ -96,7 +96,8 @@ class SimClock:
     an event loop (workers starting, frames arriving, a quorum's window ending, the
     deadline), in time order, until the policy decides."""
 
-    def __init__(self, cfg: RunConfig, compute_s: float, work_s: float = 0.0, close_s: float = 0.0) -> None:
+    def __init__(self, cfg: RunConfig, compute_s: float, work_s: float = 0.0, close_s: float = 0.0,
+                 until: float | None = None, max_rounds: int | None = None) -> None:
         if cfg.outer.overlap != "none":
             raise ValueError(f"simclock models outer.overlap 'none' only, not {cfg.outer.overlap!r}")
         if compute_s <= 0 or work_s < 0 or close_s < 0:
@@ -112,6 +113,7 @@ class SimClock:
         self.pushed_at: dict[int, float] = {}  # ... and when its push was through
         self.opened_at = 0.0
         self.rounds: list[ClockedRound] = []
+        self.until, self.max_rounds = until, max_rounds  # the run ends at either (over)
 
     def close(self, round_: int, policy: ClosePolicy, play: Play) -> Decision:
         self.done_at, self.pushed_at = {}, {}
@@ -156,6 +158,12 @@ class SimClock:
                 self.ready_at[i] = max(self.pushed_at[i], has_result)
         self.opened_at = current.closed_at
 
+    def over(self) -> bool:
+        """The run has spent its time budget (a round closed at or after ``until``) or
+        played ``max_rounds`` rounds."""
+        return ((self.until is not None and self.rounds[-1].closed_at >= self.until)
+                or (self.max_rounds is not None and len(self.rounds) >= self.max_rounds))
+
     def train(self, round_: int, i: int, play: Play, current: ClockedRound) -> float:
         """Worker i plays its round from ready_at[i]: when its push is through."""
         frame, trained = play(i)
@@ -185,6 +193,13 @@ class Curve:
     applied_share: float  # of all compute, the share in frames the rounds applied
     decisions: list[tuple[list[int], str]] = field(default_factory=list)
     digest: str = ""  # of the final parameters
+    work: list[int] = field(default_factory=list)  # inner phases trained by each round's end
+
+    def loss_after_work(self, work: int) -> float:
+        """The loss of the last round by whose end at most ``work`` inner phases were
+        trained (inf before the first)."""
+        done = [loss for w, loss in zip(self.work, self.losses, strict=True) if w <= work]
+        return done[-1] if done else math.inf
 
     def loss_at(self, t: float) -> float:
         """The loss of the last round closed by ``t`` (inf before the first)."""
@@ -196,15 +211,19 @@ class Curve:
         return next((when for when, x in zip(self.times, self.losses, strict=True) if x <= loss), math.inf)
 
 
-def run_clocked(cfg: RunConfig, compute_s: float, work_s: float = 0.0,
-                close_s: float = 0.0) -> tuple[Curve, SimClock]:
-    """Train ``cfg`` on the simulated clock; the loss curve and the clock with every round."""
-    clock = SimClock(cfg, compute_s, work_s, close_s)
+def run_clocked(cfg: RunConfig, compute_s: float, work_s: float = 0.0, close_s: float = 0.0,
+                until: float | None = None, max_rounds: int | None = None) -> tuple[Curve, SimClock]:
+    """Train ``cfg`` on the simulated clock, for cfg.rounds rounds or until the clock is
+    ``over``; the loss curve and the clock with every round."""
+    clock = SimClock(cfg, compute_s, work_s, close_s, until, max_rounds)
     result = simulate(cfg, val_every_round=True, clock=clock)
     total = sum(sum(r.compute_s.values()) for r in clock.rounds)
     applied = sum(r.compute_s[i] for r in clock.rounds for i in r.chosen)
+    work = [0]
+    for r in clock.rounds:  # inner phases: each worker's compute over compute_s
+        work.append(work[-1] + round(sum(r.compute_s.values()) / compute_s))
     curve = Curve([r.closed_at for r in clock.rounds], result.val_losses, applied / total if total else 0.0,
-                  [(r.chosen, r.reason) for r in clock.rounds], result.digest)
+                  [(r.chosen, r.reason) for r in clock.rounds], result.digest, work[1:])
     return curve, clock
 
 
@@ -246,13 +265,21 @@ def known_scheme(scheme: str) -> bool:
     return name == "quorum" and grace_ok and len(variant) <= 2 and variant[1:] in ([], ["keep"], ["drop"])
 
 
+SCHEDULE = 2  # every run's learning-rate schedules span SCHEDULE x --rounds rounds
+
+
 @dataclass(frozen=True)
 class Job:
+    """One run: ``none`` plays --rounds rounds; every other scheme plays until its clock
+    passes ``until``, ``none``'s end on the same seed, so a faster scheme plays more rounds
+    on the same schedule."""
+
     scheme: str
     n: int
     seed: int
     straggler: str  # a key of STRAGGLER_MODELS
     args: dict[str, Any]
+    until: float | None = None
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -262,21 +289,32 @@ def run_job(job: Job) -> dict[str, Any]:
         "task.model": a["model"], "task.seq_len": a["seq_len"], "task.batch_size": a["batch_size"],
         "task.val_windows": a["val_windows"], "task.corpus_bytes": a["corpus_bytes"],
         "inner.steps": a["inner_steps"], "inner.warmup_steps": min(4, a["inner_steps"]),
-        "workers": job.n, "rounds": a["rounds"], "seed": job.seed,
+        "workers": job.n, "rounds": SCHEDULE * a["rounds"], "seed": job.seed,
         "coordinator.deadline_s": a["deadline_s"], "stragglers.default": profile,
         "network.per_worker": [LINK_MIX[i % len(LINK_MIX)] for i in range(job.n)],
         **scheme_overrides(job.scheme)})
     start = time.monotonic()
-    curve, _ = run_clocked(cfg, a["compute_s"], a["work_s"], a["close_s"])
+    curve, _ = run_clocked(cfg, a["compute_s"], a["work_s"], a["close_s"], until=job.until,
+                           max_rounds=a["rounds"] if job.until is None else None)
     return {"scheme": job.scheme, "n": job.n, "seed": job.seed, "straggler": job.straggler, "times": curve.times,
-            "losses": curve.losses, "applied_share": curve.applied_share,
+            "losses": curve.losses, "work": curve.work, "applied_share": curve.applied_share,
             "seconds": time.monotonic() - start}
+
+
+CODED = ("pgc-fr", "gc-fr")  # each paired against quorum, seed by seed, at equal wall time
+
+
+def minus_quorum(scheme: str) -> str:
+    """The summary key of ``scheme`` - quorum: pgc_fr_minus_quorum."""
+    return f"{scheme.replace('-', '_')}_minus_quorum"
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per (straggler model, n): each scheme's loss at equal wall time (the earliest end of any
-    scheme's run of that seed), at equal tokens (its last round), its time to reach
-    ``none``'s final loss, the share of compute applied; pgc-fr - quorum, paired by seed."""
+    scheme's run of that seed: ``none``'s, unless a run hit its last round first), at equal
+    tokens trained (the fewest inner phases any scheme's run of that seed trained), its time
+    to reach ``none``'s final loss, the share of compute applied; pgc-fr - quorum, paired by
+    seed."""
     out: dict[str, Any] = {}
     groups = sorted({(r["straggler"], r["n"]) for r in results})
     for straggler, n in groups:
@@ -285,12 +323,16 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         schemes = list(dict.fromkeys(k[0] for k in runs))  # in the order they were run
         rows: dict[str, Any] = {}
         at_time: dict[str, dict[int, float]] = {sc: {} for sc in schemes}
+        at_tokens: dict[str, dict[int, float]] = {sc: {} for sc in schemes}
         for seed in seeds:
-            curves = {sc: Curve(runs[sc, seed]["times"], runs[sc, seed]["losses"], runs[sc, seed]["applied_share"])
+            curves = {sc: Curve(runs[sc, seed]["times"], runs[sc, seed]["losses"], runs[sc, seed]["applied_share"],
+                                work=runs[sc, seed]["work"])
                       for sc in schemes if (sc, seed) in runs}
             horizon = min(c.times[-1] for c in curves.values())
+            tokens = min(c.work[-1] for c in curves.values())
             for sc, c in curves.items():
                 at_time[sc][seed] = c.loss_at(horizon)
+                at_tokens[sc][seed] = c.loss_after_work(tokens)
         for sc in schemes:
             mine = [runs[sc, s] for s in seeds if (sc, s) in runs]
             to_loss = []
@@ -301,18 +343,20 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                     to_loss.append(c.time_to(target) / runs["none", s]["times"][-1])
             rows[sc] = {
                 "loss_at_equal_time": interval(list(at_time[sc].values())),
-                "loss_at_equal_tokens": interval([r["losses"][-1] for r in mine]),
+                "loss_at_equal_tokens": interval(list(at_tokens[sc].values())),
                 # None: some seed never reached none's final loss
                 "time_to_loss": statistics.mean(to_loss) if to_loss and all(map(math.isfinite, to_loss)) else None,
                 "applied_share": statistics.mean(r["applied_share"] for r in mine),
                 "run_seconds": statistics.mean(r["times"][-1] for r in mine),
+                "rounds": statistics.mean(len(r["times"]) for r in mine),
             }
         entry: dict[str, Any] = {"schemes": rows}
-        if "pgc-fr" in at_time and "quorum" in at_time:
-            diffs = [at_time["pgc-fr"][s] - at_time["quorum"][s] for s in seeds
-                     if s in at_time["pgc-fr"] and s in at_time["quorum"]]
-            entry["pgc_fr_minus_quorum"] = {"mean": statistics.mean(diffs), "upper": upper95(diffs),
-                                            "seeds": len(diffs)}
+        for coded in CODED:
+            if coded in at_time and "quorum" in at_time:
+                diffs = [at_time[coded][s] - at_time["quorum"][s] for s in seeds
+                         if s in at_time[coded] and s in at_time["quorum"]]
+                entry[minus_quorum(coded)] = {"mean": statistics.mean(diffs), "upper": upper95(diffs),
+                                              "seeds": len(diffs)}
         out[f"{straggler} n={n}"] = entry
     return out
 
@@ -321,17 +365,18 @@ def print_table(summary: dict[str, Any]) -> None:
     for group, entry in summary.items():
         print(f"\n{group}")
         print(f"{'scheme':12} {'loss @ time':>22} {'loss @ tokens':>14} {'time to none':>13} "
-              f"{'applied':>8} {'run s':>9}")
+              f"{'applied':>8} {'run s':>9} {'rounds':>7}")
         for sc, row in entry["schemes"].items():
             t = row["loss_at_equal_time"]
             spread = f"[{t['lower95']:.4f}, {t['upper95']:.4f}]" if t["lower95"] is not None else "(one seed)"
             print(f"{sc:12} {t['mean']:10.4f} {spread:>20} "
                   f"{row['loss_at_equal_tokens']['mean']:14.4f} {_ratio(row['time_to_loss']):>13} "
-                  f"{row['applied_share']:8.3f} {row['run_seconds']:9.1f}")
-        if "pgc_fr_minus_quorum" in entry:
-            d = entry["pgc_fr_minus_quorum"]
-            print(f"pgc-fr - quorum at equal time: {d['mean']:+.4f} (one-sided 95 % upper {d['upper']:+.4f}, "
-                  f"{d['seeds']} seeds)")
+                  f"{row['applied_share']:8.3f} {row['run_seconds']:9.1f} {row['rounds']:7.1f}")
+        for coded in CODED:
+            if minus_quorum(coded) in entry:
+                d = entry[minus_quorum(coded)]
+                print(f"{coded} - quorum at equal time: {d['mean']:+.4f} (one-sided 95 % upper "
+                      f"{d['upper']:+.4f}, {d['seeds']} seeds)")
 
 
 # ----- the validation against real processes --------------------------------------------
@@ -454,14 +499,21 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [Job(sc, int(n), seed, straggler, shared) for straggler in args.straggler_models.split(",")
             for n in args.n.split(",") for seed in range(args.first_seed, args.first_seed + args.seeds)
             for sc in schemes]
-    print(f"simclock: {len(jobs)} runs ({args.rounds} rounds each) on {args.jobs} processes", flush=True)
+    print(f"simclock: {len(jobs)} runs on {args.jobs} processes: none for {args.rounds} rounds, then the "
+          f"others for as long on the simulated clock", flush=True)
     start, results = time.monotonic(), []
-    with ProcessPoolExecutor(args.jobs) as pool:
-        for done, result in enumerate(pool.map(run_job, jobs), 1):
+
+    def run_all(pool: ProcessPoolExecutor, todo: list[Job]) -> None:
+        for result in pool.map(run_job, todo):
             results.append(result)
-            print(f"  [{done}/{len(jobs)}] {result['straggler']} n={result['n']} {result['scheme']} seed "
-                  f"{result['seed']}: loss {result['losses'][-1]:.4f} at {result['times'][-1]:.1f} s "
-                  f"simulated ({result['seconds']:.0f} s real)", flush=True)
+            print(f"  [{len(results)}/{len(jobs)}] {result['straggler']} n={result['n']} {result['scheme']} "
+                  f"seed {result['seed']}: loss {result['losses'][-1]:.4f} after {len(result['times'])} "
+                  f"rounds, {result['times'][-1]:.1f} s simulated ({result['seconds']:.0f} s real)", flush=True)
+
+    with ProcessPoolExecutor(args.jobs) as pool:
+        run_all(pool, [j for j in jobs if j.scheme == "none"])
+        budget = {(r["straggler"], r["n"], r["seed"]): r["times"][-1] for r in results}
+        run_all(pool, [replace(j, until=budget[j.straggler, j.n, j.seed]) for j in jobs if j.scheme != "none"])
     summary = summarize(results)
     print_table(summary)
     print(f"\n{time.monotonic() - start:.0f} s in all")

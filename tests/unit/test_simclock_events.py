@@ -106,3 +106,18 @@ def test_a_quorum_variant_names_its_grace_multiple() -> None:
     assert all(map(known_scheme, ["quorum:0", "quorum:1:keep", "quorum:0.5:drop", "pgc-fr"]))
     assert not any(map(known_scheme, ["quorum:x", "quorum:-1", "quorum:1:lose", "quorum:1:drop:2",
                                       "pgc-fr:0.5", "bogus"]))
+
+
+@pytest.mark.parametrize(("budget", "rounds_played"), [({"until": 2.5}, 2), ({"until": 2.0}, 1),
+                                                       ({"max_rounds": 3}, 3)])
+def test_a_run_ends_once_its_time_budget_is_spent_or_its_rounds_played(budget: dict, rounds_played: int) -> None:
+    cfg = load_config(overrides={"workers": 2, "network.wan": "unlimited"})
+    clock = SimClock(cfg, compute_s=2.0, **budget)  # every round: 2 s of compute, nothing else
+    policy = close_policy(make_code("none", 2, 0), cfg.coding)
+    for round_ in range(5):
+        clock.close(round_, policy, frames_of(100, []))
+        clock.published(EMPTY, frames_of(100, []))
+        if clock.over():
+            break
+    assert len(clock.rounds) == rounds_played
+    assert [r.closed_at for r in clock.rounds] == pytest.approx([2.0, 4.0, 6.0][:rounds_played])
