@@ -30,6 +30,15 @@ parameter, so one figure stands for a GPU's inner phase as well as a CPU's. A ru
 function of its config and ``compute_s``: the same inputs give the same times, decisions
 and parameters (tests/integration/test_simclock.py).
 
+The comparison runs ``none`` for --rounds rounds, then every other scheme of the same seed
+until its clock passes ``none``'s end, all on one learning-rate schedule of SCHEDULE x
+--rounds rounds: a scheme that closes rounds sooner plays more of them in the same time.
+Loss at equal wall time is read at the earliest end; loss at equal tokens at the fewest
+inner phases trained (a classic code trains s + 1 partitions a round, so it reaches them
+in fewer rounds). The default model is gpt-nano, so that n = 8 and n = 256 run the same
+model; its frames are small, so the links' share of a round is small and the stragglers'
+compute sets the times.
+
     python -m benchmarks.simclock --quick            # n = 4, two schemes, a few rounds
     python -m benchmarks.simclock                    # n = 8, 32, 5 seeds, 2 straggler models
     python -m benchmarks.simclock --n 128 --seeds 2                 # the large n
