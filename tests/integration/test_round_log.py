@@ -3,8 +3,9 @@ between a round's logged decision and its broadcast, between the broadcast and i
 apply (the apply is in memory: a kill during it leaves the same), or while the checkpoint
 after the round is half written, resumes with --resume, replays the rounds of its round log after the checkpoint
 instead of redoing them, and the run ends on the same final parameters, bit for bit, as the
-undisturbed run of the same seed: every replica applies each round once, and each round is
-in metrics.jsonl once. Killed after the last round's decision, the resumed run replays it,
+undisturbed run of the same seed: every replica takes each round once (applies it, or, when
+the kill cut its result off, fetches a state that holds it), and each round is in
+metrics.jsonl once. Killed after the last round's decision, the resumed run replays it,
 hands it to the workers that rejoin for it, and ends. With an aggregated round result
 (coordinator.broadcast aggregate) the same holds: the coordinator's error feedback comes
 back bit for bit from the checkpoint, and the replay compresses the logged rounds'
@@ -12,6 +13,7 @@ aggregates again, so the rounds after the kill send the frames the undisturbed r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,9 +63,29 @@ def run(processes: Processes, tmp_path: Path, name: str, crash_at: str | None,
     finished = worker_reports(reports)
     assert sorted(finished) == list(range(WORKERS))
     for report in finished.values():
-        assert report["status"] == "finished" and report["digest"] == digest
-        assert report["rounds_applied"] == ROUNDS and report["resyncs"] == 0  # each round once
+        assert report["status"] == "finished" and report["digest"] == digest and report["resyncs"] == 0
+    for i in range(WORKERS):
+        each_round_once(processes.log(f"{name}-worker-{i}"))
     return digest
+
+
+THETA_EVENT = re.compile(r"fetched state of round (?P<fetched>\d+)|round (?P<applied>\d+) applied:")
+
+
+def each_round_once(worker_log: str) -> None:
+    """θ took every round once, in order: each result applied to θ holding exactly the
+    rounds before it, or taken inside a fetched state (the state of round r holds rounds
+    0 .. r - 1: a worker whose result a kill cut off fetches it on rejoining), and none
+    applied twice."""
+    held = 0  # θ holds rounds 0 .. held - 1
+    for event in THETA_EVENT.finditer(worker_log):
+        if event["fetched"] is not None:
+            held = int(event["fetched"])
+            continue
+        applied = int(event["applied"])
+        assert applied == held, f"round {applied} applied to θ holding rounds 0..{held - 1}"
+        held = applied + 1
+    assert held == ROUNDS, f"θ ends holding rounds 0..{held - 1}"
 
 
 def test_a_coordinator_killed_between_decision_broadcast_and_apply_ends_bit_identical(
