@@ -62,7 +62,7 @@ from benchmarks.inprocess import Play, simulate
 from benchmarks.island import interval
 from benchmarks.parity import upper95
 from benchmarks.provenance import provenance
-from geoloco.config import RunConfig, load_config
+from geoloco.config import LATE_WORK, RunConfig, load_config
 from geoloco.coordinator.outer import Update
 from geoloco.coordinator.rounds import ArrivalTimes, ClosePolicy, Decision, QuorumPolicy
 from geoloco.profiles import LinkProfile
@@ -271,7 +271,7 @@ def known_scheme(scheme: str) -> bool:
         grace_ok = float(variant[0]) >= 0
     except ValueError:
         return False
-    return name == "quorum" and grace_ok and len(variant) <= 2 and variant[1:] in ([], ["keep"], ["drop"])
+    return name == "quorum" and grace_ok and len(variant) <= 2 and all(v in LATE_WORK for v in variant[1:])
 
 
 SCHEDULE = 2  # every run's learning-rate schedules span SCHEDULE x --rounds rounds

@@ -13,9 +13,9 @@ after each slow block (the straggler may still be finishing) are left out of the
 
 Cases: n = 4, s = 1; n = 8, s = 1; seeds 0..SEEDS-1 each (model init and data); schemes
 ``none`` (wait for all), ``pgc-fr`` and ``quorum`` (close on the (n - s)-th frame, late
-work dropped: the configured defaults of the baseline that drops late work) by default. The loss figure is the
-final validation loss after the same rounds, relative to ``none`` of the same case and
-seed. The load average is recorded beside each run.
+work dropped: the configured defaults of the baseline that drops late work) by default.
+The loss figure is the final validation loss after the same rounds, relative to ``none``
+of the same case and seed. The load average is recorded beside each run.
 
     .venv/bin/python -m benchmarks.stragglers            # 30 runs of 16 rounds, ~2 h on a busy 2-core machine
     .venv/bin/python -m benchmarks.stragglers --rounds 8 --block 2 --seeds 3   # about a quarter of that

@@ -133,7 +133,7 @@ class QuorumPolicy:
     error feedback, and the pseudo-gradient is gone)."""
 
     def __init__(self, code: GradientCode, quorum: int, grace_s: float | None = None,
-                 grace_spread: float = 0.0, late: str = "drop") -> None:
+                 grace_spread: float = CodingConfig.grace_spread, late: str = CodingConfig.late) -> None:
         if not 1 <= quorum <= code.n:
             raise ValueError(f"quorum {quorum} is outside 1..{code.n}")
         if late not in LATE_WORK:
