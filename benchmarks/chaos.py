@@ -208,7 +208,12 @@ class Cluster:
         return out
 
     def finished(self) -> bool:
-        return self.procs[self.coordinator].poll() is not None
+        """The coordinator has ended the run (one SIGKILLed is down, not finished)."""
+        code = self.procs[self.coordinator].poll()
+        return code is not None and code != -signal.SIGKILL
+
+    def down(self) -> bool:
+        return self.procs[self.coordinator].poll() == -signal.SIGKILL
 
     def close(self) -> None:
         for name in list(self.procs):
@@ -254,9 +259,19 @@ class Injector:
         self.kills = plan.coordinator_kills()  # (point, round) of those still to come
         self.victim = plan.victim
         self.kill_points: list[str] = []  # where each landed coordinator kill landed
+        self.coordinator_faults = 0  # coordinator kills handled, in the plan's order
 
     def start(self) -> None:
         self.cluster.start_coordinator(resume=False, crash_at=self._arm())
+
+    def wait(self, condition: Callable[[], bool], timeout: float) -> bool:
+        """wait_until ``condition``, resuming meanwhile a coordinator whose crash seam fired
+        before its fault's turn (the faults before it took longer than their rounds)."""
+        def check() -> bool:
+            if self.cluster.down() and self.kills and self.kills[0][0] != "random":
+                self._coordinator()
+            return condition()
+        return wait_until(check, timeout)
 
     def _arm(self) -> str | None:
         """The crash seam for the next coordinator kill, when it is a seam's: at its planned
@@ -298,8 +313,8 @@ class Injector:
         self.restarts += 1
         restarted = f"worker-r{self.restarts}"
         c.start_worker(restarted, worker_id)
-        if wait_until(lambda: c.reports_by_id().get(worker_id, {}).get("pid") == c.procs[restarted].pid
-                      or c.finished(), self.timeout_s):
+        if self.wait(lambda: c.reports_by_id().get(worker_id, {}).get("pid") == c.procs[restarted].pid
+                     or c.finished(), self.timeout_s):
             if not c.finished():
                 self.injected["worker_kills"] += 1
         else:
@@ -308,6 +323,7 @@ class Injector:
     def _coordinator(self) -> None:
         c = self.cluster
         point, at = self.kills.pop(0)
+        self.coordinator_faults += 1
         proc = c.procs[c.coordinator]
         if point == "random":
             c.kill(c.coordinator)
@@ -354,14 +370,19 @@ def run(name: str, plan: Plan, work: Path, args: argparse.Namespace) -> RunFigur
         injector.start()
         for i in range(WORKERS):
             cluster.start_worker(f"worker-{i}", i)
+        coordinator_faults = 0
         for fault, at in zip(plan.faults, plan.at, strict=True):
-            wait_until(lambda at=at: cluster.rounds_done() >= at or cluster.finished(), args.timeout_s)
+            injector.wait(lambda at=at: cluster.rounds_done() >= at or cluster.finished(), args.timeout_s)
             if cluster.finished():
                 break
+            if fault == "coordinator":
+                coordinator_faults += 1
+                if coordinator_faults <= injector.coordinator_faults:
+                    continue  # its crash seam fired early, and it was resumed then
             injector.fire(fault)
             done = cluster.rounds_done()
-            wait_until(lambda done=done: cluster.rounds_done() > done or cluster.finished(), args.timeout_s)
-        if not wait_until(cluster.finished, args.timeout_s, poll=0.5):
+            injector.wait(lambda done=done: cluster.rounds_done() > done or cluster.finished(), args.timeout_s)
+        if not injector.wait(cluster.finished, args.timeout_s):
             injector.errors.append(f"the run did not finish within {args.timeout_s}s")
         code = cluster.procs[cluster.coordinator].poll()
         if code != 0:
