@@ -185,17 +185,21 @@ def test_frames_for_closed_rounds_are_dropped_and_counted(tmp_path: Path) -> Non
 
 def test_stragglers_benchmark_quick_prints_the_json_keys(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--schemes", "none,pgc-fr",
-                           "--work-dir", str(tmp_path)], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.stragglers", "--quick", "--schemes",
+                           "none,pgc-fr,quorum", "--work-dir", str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"n=2 s=1", "corpus", "data_fingerprint", "versions"}  # + provenance
     case = result["n=2 s=1"]
-    assert set(case) == {"none", "pgc-fr", "load_average"}
+    assert set(case) == {"none", "pgc-fr", "quorum", "load_average", "pgc_fr_minus_quorum"}
     keys = {"base_round_s", "straggler_round_s", "x_base", "final_val_loss", "loss_vs_none"}
-    for scheme in ("none", "pgc-fr"):
+    for scheme in ("none", "pgc-fr", "quorum"):
         assert set(case[scheme]) == keys, case[scheme]
         assert all(len(v) == 2 for v in case[scheme].values())  # mean, sd
     assert case["none"]["loss_vs_none"][0] == 0.0
     assert case["none"]["base_round_s"][0] > 0
+    diff = case["pgc_fr_minus_quorum"]  # one seed: the difference, no bounds
+    assert diff["seeds"] == 1 and diff["lower95"] is None and diff["upper95"] is None
+    # the per-scheme losses are printed to 4 decimals, the difference from the raw ones
+    assert abs(diff["mean"] - (case["pgc-fr"]["final_val_loss"][0] - case["quorum"]["final_val_loss"][0])) < 2e-4
