@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from geoloco.config import load_config
 from geoloco.coordinator import checkpoint
 from geoloco.links.emulator import RelayThread
 from geoloco.replica import param_digest
+from geoloco.run_dir import PORT_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "chaos"
@@ -131,12 +131,6 @@ class RunFigures:
     errors: list[str] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """One coordinator and its workers as process groups, each worker behind a relay."""
 
@@ -146,12 +140,12 @@ class Cluster:
         self.keep_state = plan.state
         self.logs = work / "logs"
         self.logs.mkdir(parents=True)
-        self.port = free_port()
+        self.port: int | None = None  # the coordinator's: bound on port 0 first, then again on resume
         self.flags = {**plan.flags, "seed": str(plan.seed), "coordinator.deadline_s": str(deadline_s),
                       "coordinator.liveness_s": str(liveness_s)}
         self.procs: dict[str, subprocess.Popen] = {}
         self.coordinator = ""
-        self.relays = [RelayThread(("127.0.0.1", self.port)).start() for _ in range(WORKERS)]
+        self.relays: list[RelayThread] = []  # made once the coordinator's port is known
         self.starts = 0
 
     def _start(self, name: str, args: list[str]) -> None:
@@ -168,10 +162,20 @@ class Cluster:
         self.starts += 1
         self.coordinator = f"coordinator-{self.starts}"
         sets = [a for k, v in self.flags.items() for a in ("--set", f"{k}={v}")]
-        self._start(self.coordinator, ["coordinator", "--listen", f"127.0.0.1:{self.port}",
+        self._start(self.coordinator, ["coordinator", "--listen", f"127.0.0.1:{self.port or 0}",
                                        "--workers", str(WORKERS), "--rounds", str(self.rounds),
                                        "--run-dir", str(self.run_dir), *(["--resume"] if resume else []),
                                        *(["--crash-at", crash_at] if crash_at else []), *sets])
+        if self.port is None:  # the port it bound (a port picked here could go to a relay first)
+            port_file, proc = self.run_dir / PORT_FILE, self.procs[self.coordinator]
+            if not wait_until(lambda: proc.poll() is not None
+                              or (port_file.exists() and port_file.read_text().strip().isdigit()), 120):
+                raise RuntimeError(f"{self.coordinator} wrote no {PORT_FILE} within 120 s")
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.coordinator} exited {proc.returncode}: "
+                                   + self.log(self.coordinator)[-1500:])
+            self.port = int(port_file.read_text())
+            self.relays = [RelayThread(("127.0.0.1", self.port)).start() for _ in range(WORKERS)]
 
     def rounds_done(self) -> int:
         return len({m["round"] for m in self.metrics()})
