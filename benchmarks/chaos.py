@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.parity import upper95
+from benchmarks.parity import paired_bounds
 from benchmarks.provenance import provenance
 from geoloco.config import load_config
 from geoloco.coordinator import checkpoint
@@ -476,10 +475,8 @@ def state_cost(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"{seed:>5}{row['undisturbed']:>13.4f}{row['kept']:>9.4f}{row['lost']:>9.4f}"
               f"{row['lost'] - row['kept']:>+13.4f}", flush=True)
 
-    def paired(a: str, b: str) -> dict[str, float]:
-        diffs = [x - y for x, y in zip(losses[a], losses[b], strict=True)]
-        return {"mean": round(statistics.mean(diffs), 5), "lower95": round(-upper95([-d for d in diffs]), 5),
-                "upper95": round(upper95(diffs), 5)}
+    def paired(a: str, b: str) -> dict[str, float | None]:
+        return paired_bounds([x - y for x, y in zip(losses[a], losses[b], strict=True)])
 
     return {"state_cost": {"final_loss": {k: [round(v, 5) for v in vs] for k, vs in losses.items()},
                            "lost_minus_kept": paired("lost", "kept"),

@@ -257,6 +257,14 @@ def upper95(values: list[float]) -> float:
     return statistics.mean(values) + t * statistics.stdev(values) / math.sqrt(n)
 
 
+def paired_bounds(diffs: list[float]) -> dict[str, float | None]:
+    """Per-seed paired differences: their mean, count and one-sided 95 % bounds (Student t,
+    upper95 each way; None from one seed)."""
+    bounds = (-upper95([-d for d in diffs]), upper95(diffs)) if len(diffs) > 1 else (None, None)
+    return {"mean": round(statistics.mean(diffs), 5), "seeds": len(diffs),
+            **{k: None if v is None else round(v, 5) for k, v in zip(("lower95", "upper95"), bounds, strict=True)}}
+
+
 def dense_bf16_bytes(cfg: RunConfig) -> int:
     """Bytes of one dense bf16 frame of the model: dense DiLoCo's upload per worker and
     round in bf16."""

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.parity import upper95
+from benchmarks.parity import paired_bounds
 from benchmarks.provenance import provenance
 from geoloco.config import SCHEMES, load_config
 
@@ -120,14 +120,6 @@ def run_scheme(scheme: str, n: int, stragglers: int, seed: int, s: Settings, run
                      (before, os.getloadavg()[0]))
 
 
-def paired(diffs: list[float]) -> dict[str, float | None]:
-    """The mean of per-seed differences and its one-sided 95 % bounds (Student t; None
-    from one seed)."""
-    bounds = (-upper95([-d for d in diffs]), upper95(diffs)) if len(diffs) > 1 else (None, None)
-    return {"mean": round(statistics.mean(diffs), 5), "seeds": len(diffs),
-            **{k: None if v is None else round(v, 5) for k, v in zip(("lower95", "upper95"), bounds, strict=True)}}
-
-
 def diffs_line(d: dict[str, float | None]) -> str:
     if d["upper95"] is None:
         return f"mean {d['mean']:+.4f} (1 seed: no bounds)"
@@ -199,7 +191,7 @@ def run(s: Settings, work: Path, schemes: list[str], plot_path: Path | None) -> 
         if {"pgc-fr", "quorum"} <= set(schemes):
             diffs = [a["final_val_loss"] - b["final_val_loss"]
                      for a, b in zip(per_seed["pgc-fr"], per_seed["quorum"], strict=True)]
-            out[case]["pgc_fr_minus_quorum"] = paired(diffs)
+            out[case]["pgc_fr_minus_quorum"] = paired_bounds(diffs)
             print(f"pgc-fr - quorum, final val loss paired by seed: {diffs_line(out[case]['pgc_fr_minus_quorum'])}",
                   flush=True)
     if plot_path is not None:
