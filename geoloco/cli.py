@@ -27,6 +27,7 @@ from typing import Any  # noqa: E402
 
 from geoloco import __version__  # noqa: E402
 from geoloco.config import (  # noqa: E402
+    PARALLEL_MODES,
     ConfigError,
     RunConfig,
     load_config,
@@ -229,7 +230,9 @@ def _add_worker(sub: Any) -> None:
     p.add_argument("--nproc-per-node", type=int, metavar="N",
                    help="run this worker as an island of N ranks on this host (one per GPU): one "
                    "worker id and gRPC session (rank 0's); task.batch_size is the island's batch")
-    p.add_argument("--parallel", choices=("ddp",), help="how an island's ranks share the inner phase")
+    p.add_argument("--parallel", choices=PARALLEL_MODES,
+                   help="how an island's ranks share the inner phase: ddp (each holds the whole model) "
+                   "or fsdp (the model, its gradients and AdamW state sharded over the ranks)")
     p.add_argument("--report-dir", metavar="DIR", help="write worker-<id>.json (final digest, resyncs, bytes) here")
     p.add_argument("--state-dir", metavar="DIR",
                    help="keep this worker's own state (error feedback, inner AdamW state, data "
@@ -420,7 +423,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from geoloco.worker.admission import Admission
     from geoloco.worker.app import run_worker
 
-    return run_worker(
+    code = run_worker(
         cfg.worker.coordinator, token, device=cfg.worker.device,
         connect_timeout_s=cfg.worker.connect_timeout_s, report_dir=args.report_dir,
         wan_emulate=args.wan_emulate, threads=args.threads, wait_for=args.wait_for,
@@ -429,6 +432,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         admission=Admission(cfg.worker.allow_config_code, tuple(cfg.worker.allowed_paths)),
         island=island,
     )
+    if island is not None and island.sharded:
+        island.exit(code)
+    return code
 
 
 def _run_warmup(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ QUANTIZERS = ("two-level", "four-bin")
 DENSE_DTYPES = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
-PARALLEL_MODES = ("ddp",)  # worker.parallel (an island's ranks)
+PARALLEL_MODES = ("ddp", "fsdp")  # worker.parallel (an island's ranks)
 MODEL_KINDS = ("a preset", "module:function", "path/to/file.py:function", "hf:PATH")
 TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special token fit
 DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
@@ -264,7 +264,8 @@ class WorkerConfig:
     # equal share of it (docs/deploy.md, "A region as one worker")
     nproc_per_node: int = 1
     # how an island's ranks share the inner phase: ddp (each holds the whole model; the
-    # gradients are averaged before every inner step)
+    # gradients are averaged before every inner step) or fsdp (FSDP2: the parameters, their
+    # gradients and the AdamW state are sharded over the ranks)
     parallel: str = "ddp"
 
 

@@ -24,9 +24,11 @@ from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
+from geoloco.worker import local_state
 from geoloco.worker.admission import Admission
-from geoloco.worker.island import Island, IslandError
-from geoloco.worker.loop import Worker
+from geoloco.worker.island import Island, IslandError, optimizer_tensors
+from geoloco.worker.local_state import LocalStateError
+from geoloco.worker.loop import Worker, restore_shards
 from geoloco.worker.prometheus import worker_registry
 from geoloco.worker.session import Session, read_identity
 from geoloco.worker.trainer import InnerStep, InnerTrainer, TrainingStopped
@@ -149,6 +151,28 @@ def follow(island: Island, precision: str) -> int:
                 log.info("rank %d: %s", island.rank, exc)
         elif kind == "optimizer":
             trainer.optimizer.load_state_dict(args[0])
+        elif kind == "save":  # fsdp: this rank's AdamW shard, before rank 0 writes its state
+            path, round_, layout_digest = args
+            try:
+                local_state.save_shard(Path(path), island.rank, trainer, round_, layout_digest)
+                written = True
+            except OSError as exc:
+                log.error("rank %d: AdamW shard of round %d not written (%s)", island.rank, round_,
+                          exc.strerror or exc)
+                written = False
+            island.agree(written)
+        elif kind == "restore":
+            path, round_, layout_digest = args
+            try:
+                local_state.load_shard(Path(path), island.rank, trainer, round_, layout_digest)
+                loaded = True
+            except LocalStateError as exc:
+                log.warning("rank %d: %s", island.rank, exc)
+                loaded = False
+            restore_shards(island, trainer, loaded)
+        elif kind == "shards":
+            island.shard_sizes(trainer.params)
+            island.shard_sizes(optimizer_tensors(trainer.optimizer))
         else:
             raise IslandError(f"rank {island.rank}: unknown command {kind!r}")
 

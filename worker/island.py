@@ -6,11 +6,21 @@ Rank 0 is the worker the coordinator sees: it joins, fetches the state, pushes, 
 rounds, holds θ, the error feedback and the encoder. The other ranks never open a connection
 to the coordinator; they follow rank 0's commands (geoloco.worker.app.follow): build the task from the run
 config rank 0 received, train a partition from the parameters rank 0 broadcasts, take the
-inner AdamW state rank 0 restored, exit. Under ``worker.parallel = "ddp"`` every rank keeps
-a whole model replica, takes its share of each batch (``task.batch_size`` is the island's
-batch) and the gradients are averaged before every AdamW step, so the ranks stay identical
-and an island's pseudo-gradient is the one a single process would compute from the same
-tokens, within float rounding.
+inner AdamW state rank 0 restored, exit. Every rank takes its share of each batch
+(``task.batch_size`` is the island's batch) and the gradients are averaged before every
+AdamW step, so an island's pseudo-gradient is the one a single process would compute from
+the same tokens, within float rounding:
+- ``worker.parallel = "ddp"``: every rank keeps a whole model replica and its own copy of
+  the AdamW state, identical on every rank;
+- ``"fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``, each block of the model's
+  outermost ``nn.ModuleList`` and the root) shards the parameters, their gradients and the
+  AdamW state over the ranks, dim 0 in ``torch.chunk``'s pieces. θ goes out from rank 0 one
+  tensor at a time (``scatter``), and the inner phase's end comes back the same way
+  (``gather``), so no rank holds more of the model on its device than its shard and the one
+  tensor in transit. Each rank saves and restores its own shard of the AdamW state
+  (``optimizer_shard``; ``geoloco.worker.local_state``). What rank 0 keeps between rounds
+  (θ, the error feedback, the encoder) stays whole, in its host memory: docs/deploy.md,
+  "A region as one worker".
 
 Two ways in:
 - ``geoloco worker --nproc-per-node N`` runs ``launch``: it starts the N ranks on this host,
@@ -22,6 +32,7 @@ Two ways in:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -31,11 +42,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from geoloco.config import PARALLEL_MODES
 from geoloco.stopping import EXIT_INTERRUPTED
@@ -84,6 +96,11 @@ class Island:
         """Rank 0: the one that speaks to the coordinator."""
         return self.rank == 0
 
+    @property
+    def sharded(self) -> bool:
+        """Under ``fsdp``: the model, its gradients and AdamW state are sharded over the ranks."""
+        return self.parallel == "fsdp"
+
     def describe(self) -> str:
         return f"island of {self.size} ranks, {self.parallel}"
 
@@ -110,7 +127,21 @@ class Island:
 
     def close(self) -> None:
         if dist.is_initialized():
+            gc.collect()  # FSDP's modules (reference cycles) let go of the group first
             dist.destroy_process_group()
+
+    def exit(self, code: int) -> NoReturn:
+        """End this rank's process with ``code`` once its work is done and logged. Under
+        ``fsdp`` without the interpreter's finalization: FSDP2's device mesh holds the
+        island's process group past ``destroy_process_group``, and its Gloo threads, torn
+        down during finalization, ended 2 of 7 exits of a test island in std::terminate
+        (SIGABRT, or SIGSEGV) after the run had finished."""
+        if not self.sharded:
+            sys.exit(code)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     # ------------------------------------------------------------------ rank 0's commands
 
@@ -140,6 +171,50 @@ class Island:
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
 
+    def scatter(self, params: list[Tensor], theta: list[Tensor] | None) -> None:
+        """``fsdp``: rank 0's ``theta`` (whole tensors; None on the others) into every rank's
+        ``params``, each rank keeping its own rows of a sharded one; one tensor at a time."""
+        with torch.no_grad():
+            for j, p in enumerate(params):
+                if not isinstance(p, DTensor):
+                    if self.leader:
+                        p.copy_(theta[j])
+                    dist.broadcast(p, src=0)
+                    continue
+                whole = (theta[j].to(self.device, torch.float32) if self.leader
+                         else torch.empty(p.shape, dtype=torch.float32, device=self.device))
+                dist.broadcast(whole, src=0)
+                local = p.to_local()
+                rows = own_rows(whole, self.rank, self.size)
+                if tuple(rows.shape) != tuple(local.shape):
+                    raise IslandError(f"rank {self.rank}: a shard of {tuple(local.shape)} where torch.chunk gives "
+                                      f"{tuple(rows.shape)} of {tuple(p.shape)}; FSDP sharded it another way")
+                local.copy_(rows)
+
+    def gather(self, params: list[Tensor]) -> list[Tensor] | None:
+        """``fsdp``: every rank's shards of ``params`` put together on rank 0 as whole fp32
+        CPU tensors, one tensor at a time (None on the others; every rank must call it)."""
+        whole: list[Tensor] = []
+        with torch.no_grad():
+            for p in params:
+                t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                if self.leader:
+                    whole.append(t.to("cpu", torch.float32))
+        return whole if self.leader else None
+
+    def agree(self, ok: bool) -> bool:
+        """True on every rank when ``ok`` is true on every rank (one all-reduce)."""
+        flag = torch.tensor([1 if ok else 0], device=self.device or torch.device("cpu"))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def shard_sizes(self, tensors: list[Tensor]) -> list[int]:
+        """Every rank's count of the elements of ``tensors`` it holds, on rank 0 ([] elsewhere)."""
+        held = sum(local_numel(t) for t in tensors)
+        sizes: list[Any] = [None] * self.size if self.leader else []
+        dist.gather_object(held, sizes if self.leader else None, dst=0)
+        return [int(n) for n in sizes] if self.leader else []
+
     def shard(self, batch: Batch) -> Batch:
         """This rank's rows of the island's batch: an equal share, in rank order."""
         rows = len(batch[0])
@@ -152,10 +227,13 @@ class Island:
     def average_gradients(self, params: list[Tensor], loss: float, stop: bool) -> tuple[float, bool]:
         """Average every rank's gradients of ``params`` and its ``loss`` (one all-reduce);
         returns (the island's loss, whether rank 0 asked to stop). Equal shares make the
-        average the gradient of the whole batch's mean loss."""
+        average the gradient of the whole batch's mean loss. Under ``fsdp`` the backward
+        pass has averaged the gradients already (FSDP's reduce-scatter): the loss only."""
         with torch.no_grad():
+            if self.sharded:
+                params = []
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            device = grads[0].device if grads else torch.device("cpu")
+            device = grads[0].device if grads else self.device or torch.device("cpu")
             tail = torch.tensor([loss, 1.0 if stop and self.leader else 0.0], device=device)
             flat = torch.cat([g.reshape(-1).float() for g in grads] + [tail])
             dist.all_reduce(flat)
@@ -165,6 +243,79 @@ class Island:
                     p.grad.copy_((flat[offset:offset + g.numel()] / self.size).view(g.shape))
                 offset += g.numel()
             return float(flat[-2]) / self.size, bool(flat[-1] > 0)
+
+
+def shard_model(model: nn.Module) -> None:
+    """``fsdp``: FSDP2's ``fully_shard`` on each block of the model's outermost
+    ``nn.ModuleList`` (a transformer's layers; one all-gather per block in the forward and
+    backward passes), then on the whole model for what is left (embeddings, the last norm,
+    tied weights). A model without such a list is sharded as one piece."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in shard_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+
+
+def shard_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``shard_model`` shards one by one: those with parameters in each outermost
+    ``nn.ModuleList`` (not in a list inside another)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, nn.ModuleList):
+            continue
+        blocks.extend(b for b in module if any(True for _ in b.parameters()))
+        inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def own_rows(whole: Tensor, rank: int, size: int) -> Tensor:
+    """Rank ``rank``'s rows of ``whole`` as FSDP2 shards it: ``torch.chunk`` along dim 0 into
+    ``size`` pieces (fewer when the rows run out: the last ranks then hold none)."""
+    if whole.dim() == 0:
+        return whole
+    pieces = torch.chunk(whole, size, dim=0)
+    return pieces[rank] if rank < len(pieces) else whole[whole.shape[0]:]
+
+
+def local_numel(t: Tensor) -> int:
+    """Elements of ``t`` this process holds: its shard of a DTensor, else all."""
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
+def local_optimizer_state(state: dict) -> dict:
+    """An optimizer state dict with its DTensors as this rank's plain local shards (on the
+    CPU), to save in a file of its own."""
+    def local(v: Any) -> Any:
+        return v.to_local().cpu() if isinstance(v, DTensor) else v.cpu() if isinstance(v, Tensor) else v
+    return {"state": {k: {n: local(v) for n, v in s.items()} for k, s in state["state"].items()},
+            "param_groups": state["param_groups"]}
+
+
+def sharded_optimizer_state(state: dict, params: list[Tensor]) -> dict:
+    """``local_optimizer_state``'s inverse: each local shard made a DTensor again, placed as
+    its parameter (``params`` in the optimizer's order). IslandError when a shard's shape is
+    not this rank's (the island was sharded another way)."""
+    out: dict = {"state": {}, "param_groups": state["param_groups"]}
+    for k, entry in state["state"].items():
+        p = params[int(k)]
+        out["state"][k] = {}
+        for name, v in entry.items():
+            if isinstance(p, DTensor) and isinstance(v, Tensor) and v.dim() > 0:
+                if tuple(v.shape) != tuple(p.to_local().shape):
+                    raise IslandError(f"a saved AdamW shard of {tuple(v.shape)} for a parameter shard of "
+                                      f"{tuple(p.to_local().shape)}")
+                v = DTensor.from_local(v.to(p.to_local().device), p.device_mesh, p.placements,
+                                       run_check=False, shape=p.shape, stride=p.stride())
+            out["state"][k][name] = v
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The tensors of an optimizer's state (AdamW: its moments), in a stable order."""
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, Tensor) and v.dim() > 0]
 
 
 def cpu_state(value: Any) -> Any:

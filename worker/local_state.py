@@ -1,7 +1,9 @@
 """A worker's own state on its own disk, so that a restarted worker carries on: the error
 feedback (SparseLoCo's residual, arXiv 2508.15706), the inner AdamW state, each partition's
 data position and latest pseudo-gradient, and the RNG state; one file per worker id,
-written atomically (docs/protocol.md, "Stopping and restarting")."""
+written atomically (docs/protocol.md, "Stopping and restarting"). In an island under
+``fsdp`` each rank's shard of the AdamW state is its own: rank 0's in that file, every
+other rank's in a file beside it (``rank_path``)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,33 @@ def state_path(state_dir: Path, worker_id: int) -> Path:
     return Path(state_dir) / f"worker-{worker_id}.state.pt"
 
 
+def rank_path(path: Path, rank: int, round_: int) -> Path:
+    """Where rank ``rank`` of an fsdp island keeps its shard of round ``round_`` beside rank
+    0's ``path``. The shards are written before rank 0's file and the last two rounds' kept,
+    so the round rank 0's file holds has its shards whenever a rank dies."""
+    return Path(path).with_name(Path(path).name.replace(".state.pt", f".rank-{rank}.round-{round_}.state.pt"))
+
+
+SHARDS_KEPT = 2
+
+
+def _write(path: Path, state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, buffer.getbuffer(), mode=PRIVATE_MODE)
+
+
+def _read(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any damage means: start without it
+        raise LocalStateError(f"{path} is unreadable ({exc})") from None
+    if state.get("format_version") != FORMAT_VERSION:
+        raise LocalStateError(f"{path} has format {state.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return state
+
+
 def save(path: Path, training: Any, round_: int) -> None:
     """Write ``training``'s state at the start of ``round_`` to ``path`` (write_atomic,
     readable by its owner only)."""
@@ -39,26 +68,62 @@ def save(path: Path, training: Any, round_: int) -> None:
         "layout_digest": training.layout.digest.hex(),
         "data_fingerprint": training.cfg.task.data_fingerprint,
         "error_feedback": compressor.state_dict() if isinstance(compressor, Compressor) else None,
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": trainer.optimizer_state(),
+        "optimizer_shard": trainer.optimizer_shard(),
         "data": trainer.data_state(),
         "latest": training.deltas.latest,
         "rng": torch.get_rng_state(),
     }
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, buffer.getbuffer(), mode=PRIVATE_MODE)
+    _write(path, state)
 
 
-def load(path: Path, training: Any) -> int:
-    """Put the state in ``path`` into ``training``; returns the round it was saved at.
-    LocalStateError if it cannot be read or was saved for another model or data."""
+def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str) -> None:
+    """A non-zero rank of an fsdp island: its shard of the AdamW state at the start of
+    ``round_``, beside rank 0's file ``main`` (``rank_path``); its shards of older rounds but
+    the last SHARDS_KEPT go."""
+    path = rank_path(main, rank, round_)
+    _write(path, {"format_version": FORMAT_VERSION, "round": round_, "layout_digest": layout_digest,
+                  "optimizer_shard": trainer.optimizer_shard(), "optimizer": trainer.optimizer_state()})
+    pattern = rank_path(main, rank, 0).name.replace(".round-0.", ".round-*.")
+    saved = sorted(path.parent.glob(pattern), key=lambda p: int(p.name.rsplit(".round-", 1)[1].split(".")[0]))
+    for old in saved[:-SHARDS_KEPT]:
+        old.unlink(missing_ok=True)
+
+
+def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str) -> None:
+    """``save_shard``'s inverse, for rank 0's state of ``round_``: LocalStateError, and the
+    AdamW state untouched, if the file is missing, unreadable, of another model or
+    sharding."""
+    path = rank_path(main, rank, round_)
+    if not path.exists():
+        raise LocalStateError(f"{path} does not exist")
+    state = _read(path)
+    if state["round"] != round_ or state["layout_digest"] != layout_digest:
+        raise LocalStateError(f"{path} is of round {state['round']}, rank 0's of round {round_} "
+                              "(or of another model layout)")
+    _load_optimizer(path, state, trainer)
+
+
+def _load_optimizer(path: Path, state: dict, trainer: Any) -> None:
+    shard = state.get("optimizer_shard")
+    if shard != trainer.optimizer_shard():
+        raise LocalStateError(f"{path} holds {_describe_shard(shard)} of the inner AdamW state, this "
+                              f"process needs {_describe_shard(trainer.optimizer_shard())}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any damage means: start without it
-        raise LocalStateError(f"{path} is unreadable ({exc})") from None
-    if state.get("format_version") != FORMAT_VERSION:
-        raise LocalStateError(f"{path} has format {state.get('format_version')!r}, expected {FORMAT_VERSION}")
+        trainer.load_optimizer_state(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise LocalStateError(f"{path}: its AdamW state does not fit this model ({exc})") from None
+
+
+def _describe_shard(shard: list[int] | None) -> str:
+    return "the whole" if shard is None else f"rank {shard[0]}'s shard of {shard[1]}"
+
+
+def load(path: Path, training: Any) -> tuple[int, bool]:
+    """Put the state in ``path`` into ``training``; returns the round it was saved at and
+    whether the inner AdamW state was in it (not when it was saved sharded another way: the
+    log says so). LocalStateError if it cannot be read or was saved for another model or data."""
+    state = _read(path)
     if state["layout_digest"] != training.layout.digest.hex():
         raise LocalStateError(f"{path} was saved for another model layout")
     if state["data_fingerprint"] != training.cfg.task.data_fingerprint:
@@ -70,8 +135,13 @@ def load(path: Path, training: Any) -> int:
     compressor = training.encoder.compressor
     if isinstance(compressor, Compressor) and state["error_feedback"] is not None:
         compressor.load_state_dict(state["error_feedback"])
-    training.trainer.optimizer.load_state_dict(state["optimizer"])
+    try:
+        _load_optimizer(path, state, training.trainer)
+        adamw = True
+    except LocalStateError as exc:
+        log.warning("%s: the inner AdamW state starts from zero", exc)
+        adamw = False
     training.trainer.load_data_state(state["data"])
     training.deltas.latest = {int(p): delta for p, delta in state["latest"].items()}
     torch.set_rng_state(state["rng"])
-    return int(state["round"])
+    return int(state["round"]), adamw

@@ -33,7 +33,7 @@ from geoloco.worker.admission import Admission, ConfigRefused
 from geoloco.worker.density import DensityChooser
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.identity import IdentityStore
-from geoloco.worker.island import LAUNCHER_PID_ENV, Island, cpu_state
+from geoloco.worker.island import LAUNCHER_PID_ENV, Island, cpu_state, optimizer_tensors
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
@@ -150,6 +150,7 @@ class Worker:
                  island: Island | None = None) -> None:
         self.session = session
         self.island = island  # the ranks this worker trains with (None: it trains alone)
+        self.held: dict[str, list[int]] | None = None  # fsdp: what each rank holds (finish)
         self.admission = admission or Admission()  # what the run config may make it do
         self.device = resolve_device(device)
         self.precision = precision
@@ -472,7 +473,7 @@ class Worker:
             if self.island is not None:  # the other ranks build the same trainer
                 self.island.send("config", reply.run_config_json)
             # θ on huge pages: applying sparse rounds touches cache lines at random
-            self.theta = on_huge_pages([p.detach().to("cpu", torch.float32) for p in self.training.trainer.params])
+            self.theta = on_huge_pages(self.training.trainer.master_copy())
             self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
@@ -520,15 +521,19 @@ class Worker:
                         "state start from zero", self.session.worker_id, self.state_dir)
             return
         try:
-            saved_at = local_state.load(path, self.training)
+            saved_at, adamw = local_state.load(path, self.training)
         except LocalStateError as exc:
             log.warning("%s: error feedback and inner AdamW state start from zero", exc)
             return
         self.catching_up = True  # a resumed worker plays its first round without overlap
-        if self.island is not None:  # every rank steps AdamW from the same state
-            self.island.send("optimizer", cpu_state(self.training.trainer.optimizer.state_dict()))
-        log.info("restored the local state of round %d from %s (error feedback, inner AdamW "
-                 "state, data positions)", saved_at, path)
+        island, trainer = self.island, self.training.trainer
+        if island is not None and island.sharded:  # each rank restores its own shard, or none does
+            island.send("restore", str(path), saved_at, self.training.layout.digest.hex())
+            adamw = restore_shards(island, trainer, adamw)
+        elif island is not None and adamw:  # every rank steps AdamW from the same state
+            island.send("optimizer", cpu_state(trainer.optimizer.state_dict()))
+        log.info("restored the local state of round %d from %s (error feedback, %sdata positions)",
+                 saved_at, path, "inner AdamW state, " if adamw else "")
 
     def save_local_state(self) -> None:
         """Between rounds, every state_every rounds (None: every round while a save costs
@@ -541,6 +546,13 @@ class Worker:
         if self.state_dir is None or not every or self.round - self.state_saved_round < every:
             return
         path = local_state.state_path(self.state_dir, self.session.worker_id)
+        island = self.island
+        if island is not None and island.sharded:  # the other ranks' AdamW shards first
+            island.send("save", str(path), self.round, self.training.layout.digest.hex())
+            if not island.agree(True):
+                log.error("a rank of the island did not write its AdamW shard of round %d: the local "
+                          "state stays at round %d; training goes on", self.round, self.state_saved_round)
+                return
         try:
             local_state.save(path, self.training, self.round)
         except OSError as exc:
@@ -575,6 +587,12 @@ class Worker:
                 time.sleep(transport.BACKOFF_START_S)
 
     def finish(self) -> None:
+        island = self.island
+        if island is not None and island.sharded and self.training is not None:
+            island.send("shards")  # what each rank holds, for the report
+            trainer = self.training.trainer
+            self.held = {"params": island.shard_sizes(trainer.params),
+                         "adamw": island.shard_sizes(optimizer_tensors(trainer.optimizer))}
         digest = param_digest(self.theta)
         log.info("run finished after round %d: final digest %s, %d resyncs, %d reconnects",
                  self.round - 1, digest, self.counters.resyncs, self.counters.reconnects)
@@ -603,6 +621,21 @@ class Worker:
         if self.island is not None:
             report["island"] = {"ranks": self.island.size, "parallel": self.island.parallel,
                                 "rank0_pid": os.getpid()}
+            if self.held is not None:  # fsdp: each rank's elements of the model and of AdamW's moments
+                report["island"]["held"] = self.held
         path = Path(self.report_dir) / f"worker-{self.session.worker_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(report, indent=2), durable=False)
+
+
+def restore_shards(island: Island, trainer: InnerTrainer, loaded: bool) -> bool:
+    """Every rank of an fsdp island after ``restore``: whether each restored its shard of
+    the AdamW state (``loaded``: this rank's outcome); where one did not, every rank starts
+    AdamW from zero, so that no shard steps from a state the others lack."""
+    if island.agree(loaded):
+        return True
+    trainer.optimizer.state.clear()
+    if island.leader:
+        log.warning("a rank of the island has no AdamW shard of that round: the island's inner AdamW "
+                    "state starts from zero")
+    return False

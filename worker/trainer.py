@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,9 +20,12 @@ from geoloco.config import InnerConfig
 from geoloco.replica import replica_tensors
 from geoloco.schedule import lr_at
 from geoloco.tasks import Batch, BatchIterator, Task
-
-if TYPE_CHECKING:
-    from geoloco.worker.island import Island
+from geoloco.worker.island import (
+    Island,
+    local_optimizer_state,
+    shard_model,
+    sharded_optimizer_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,11 @@ class InnerTrainer:
         self.step_fn = step
         self.model: nn.Module = task.make_model().to(device)
         self.model.train()
+        self.made: list[Tensor] | None = None  # fsdp: the model as made, whole (rank 0)
+        if island is not None and island.sharded:
+            if island.leader:
+                self.made = [t.detach().to("cpu", torch.float32, copy=True) for _, t in replica_tensors(self.model)]
+            shard_model(self.model)
         self.params = [t for _, t in replica_tensors(self.model)]
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -108,10 +116,13 @@ class InnerTrainer:
         island = self.island
         if island is not None and island.leader:
             island.send("train", partition, round_index)
-        if theta is not None:
-            self._load(theta)
-        if island is not None:
-            island.broadcast(self.params)
+        if island is not None and island.sharded:
+            island.scatter(self.params, theta)
+        else:
+            if theta is not None:
+                self._load(theta)
+            if island is not None:
+                island.broadcast(self.params)
         batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
         for step in range(self.inner.steps):
@@ -120,9 +131,10 @@ class InnerTrainer:
                 raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")
             global_step = round_index * self.inner.steps + step
             losses.append(self._step(next(batches), global_step, stopping))
+        ends = island.gather(self.params) if island is not None and island.sharded else self.params
         if theta is None:
             return None, sum(losses) / len(losses)
-        return self._deltas(theta), sum(losses) / len(losses)
+        return self._deltas(theta, ends), sum(losses) / len(losses)
 
     def _batches(self, partition: int, step: int) -> BatchIterator:
         """The partition's batch iterator at ``step``: the round decides where a partition's
@@ -202,9 +214,33 @@ class InnerTrainer:
         if self.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.inner.grad_clip)
 
-    def _deltas(self, theta: list[Tensor]) -> list[Tensor]:
+    def master_copy(self) -> list[Tensor]:
+        """The model's tensors as a CPU fp32 copy, whole (under fsdp: as the model was made,
+        before it was sharded; rank 0 only)."""
+        if self.made is not None:
+            made, self.made = self.made, None
+            return made
+        return [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
+
+    def optimizer_state(self) -> dict:
+        """The inner AdamW state to save: this rank's shard of it under fsdp."""
+        state = self.optimizer.state_dict()
+        return local_optimizer_state(state) if self.island is not None and self.island.sharded else state
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """``optimizer_state``'s inverse (IslandError for a shard of another sharding)."""
+        if self.island is not None and self.island.sharded:
+            state = sharded_optimizer_state(state, self.trainable)
+        self.optimizer.load_state_dict(state)
+
+    def optimizer_shard(self) -> list[int] | None:
+        """Which shard of the AdamW state ``optimizer_state`` holds: [rank, ranks] under
+        fsdp, None for the whole state."""
+        return [self.island.rank, self.island.size] if self.island is not None and self.island.sharded else None
+
+    def _deltas(self, theta: list[Tensor], ends: list[Tensor]) -> list[Tensor]:
         """Δ = start − end in fp32, the start being θ as the model held it (θ itself for fp32
         tensors, θ rounded to the tensor's dtype for bf16 or fp16 ones)."""
         with torch.no_grad():
-            return [(t if p.dtype == torch.float32 else t.to(p.dtype).float()) - p.detach().to("cpu", torch.float32)
-                    for t, p in zip(theta, self.params, strict=True)]
+            return [(t if p.dtype == torch.float32 else t.to(p.dtype).float()) - e.detach().to("cpu", torch.float32)
+                    for t, p, e in zip(theta, self.params, ends, strict=True)]

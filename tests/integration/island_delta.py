@@ -1,7 +1,9 @@
 """One partition's pseudo-gradient, trained by an island of ranks or by one process, written
-to a file: ``python island_delta.py --ranks N --out FILE [--batch-size B]``. With N > 1 it
-starts itself as the N ranks (geoloco.worker.island.launch); rank 0 sends the others the run
-config and trains, as a worker's rank 0 does, and the others follow (geoloco.worker.app.follow)."""
+to a file: ``python island_delta.py --ranks N --out FILE [--batch-size B] [--parallel
+fsdp]``. With N > 1 it starts itself as the N ranks (geoloco.worker.island.launch); rank 0
+sends the others the run config and trains, as a worker's rank 0 does, and the others follow
+(geoloco.worker.app.follow). Under fsdp the file also holds what each rank held after
+training (``held``: elements of the parameters and of AdamW's moments, per rank)."""
 
 from __future__ import annotations
 
@@ -33,9 +35,10 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--parallel", default="ddp")
     args = p.parse_args()
     torch.set_num_threads(1)
-    island = islands.Island.from_env()
+    island = islands.Island.from_env(args.parallel)
     if island is None and args.ranks > 1:
         return islands.launch(sys.argv[1:], args.ranks, program=(__file__,))
     cfg = config(args.batch_size)
@@ -48,9 +51,15 @@ def main() -> int:
     if island is not None:
         island.send("config", cfg.to_json())
     trainer = InnerTrainer(task, cfg.inner, cfg.rounds, device, "fp32", island=island)
-    theta = [t.detach().clone() for t in trainer.params]
+    theta = trainer.master_copy()
     delta, loss = trainer.train_partition(theta, PARTITION, ROUND)
-    torch.save({"delta": delta, "loss": loss}, args.out)
+    held = {}
+    if island is not None and island.sharded:
+        island.send("shards")
+        held = {"params": island.shard_sizes(trainer.params),
+                "adamw": island.shard_sizes(islands.optimizer_tensors(trainer.optimizer))}
+    torch.save({"delta": delta, "loss": loss, "held": held,
+                "numel": sum(t.numel() for t in theta)}, args.out)
     if island is not None:
         island.send("exit", 0)
         island.close()

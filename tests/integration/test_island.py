@@ -41,13 +41,13 @@ def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return math.sqrt(num / sum((x ** 2).sum().item() for x in a))
 
 
-def island_delta(tmp_path: Path, ranks: int, batch_size: int = 8) -> dict:
-    out = tmp_path / f"delta-{ranks}-{batch_size}.pt"
+def island_delta(tmp_path: Path, ranks: int, batch_size: int = 8, parallel: str = "ddp") -> dict:
+    out = tmp_path / f"delta-{ranks}-{batch_size}-{parallel}.pt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, str(HERE / "island_delta.py"), "--ranks", str(ranks),
-                           "--out", str(out), "--batch-size", str(batch_size)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                           "--out", str(out), "--batch-size", str(batch_size), "--parallel", parallel],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(out)
 
@@ -59,6 +59,20 @@ def test_an_island_trains_the_pseudo_gradient_one_process_would(tmp_path: Path) 
     # the bound tells the same tokens from others: one rank's share alone is far off
     half = island_delta(tmp_path, 1, batch_size=4)
     assert relative_difference(one["delta"], half["delta"]) > 100 * DELTA_RTOL
+
+
+def test_a_sharded_island_trains_the_same_pseudo_gradient_holding_half_each(tmp_path: Path) -> None:
+    """fsdp: the same Δ as one process within the same bound (FSDP's reduce-scatter sums the
+    halves' gradients as ddp's all-reduce does), while each rank holds only its shard of the
+    parameters and of AdamW's moments: together the whole model once (twice for the moments),
+    neither rank more than its torch.chunk share plus one row of each tensor."""
+    one, sharded = island_delta(tmp_path, 1), island_delta(tmp_path, 2, parallel="fsdp")
+    assert relative_difference(one["delta"], sharded["delta"]) < DELTA_RTOL
+    assert math.isclose(one["loss"], sharded["loss"], rel_tol=DELTA_RTOL)
+    numel, held = one["numel"], sharded["held"]
+    assert sum(held["params"]) == numel and sum(held["adamw"]) == 2 * numel, (held, numel)
+    assert all(0 < n < 0.6 * numel for n in held["params"]), (held, numel)
+    assert all(0 < n < 1.2 * numel for n in held["adamw"]), (held, numel)
 
 
 def island_pids(launcher: int) -> dict[int, int]:
@@ -101,14 +115,17 @@ def connections_to(port: int) -> dict[int, int]:
     return owners
 
 
-def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processes, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processes, tmp_path: Path,
+                                                             parallel: str) -> None:
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
     processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
                                     "--rounds", "6", "--run-dir", str(run_dir), *set_flags(SMALL)])
     port = coordinator_port(run_dir)
     for i in range(2):
         processes.start(f"island-{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--device", "cpu",
-                                        "--nproc-per-node", "2", "--report-dir", str(reports)])
+                                        "--nproc-per-node", "2", "--parallel", parallel,
+                                        "--report-dir", str(reports)])
     wait_until(lambda: len(metrics(run_dir)) >= 2, 240, "two rounds")
     ranks = {name: island_pids(proc.pid) for name, proc in processes.procs.items() if name.startswith("island")}
     assert all(sorted(r) == [0, 1] for r in ranks.values()), ranks
@@ -120,7 +137,7 @@ def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processe
         assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
     leaders = {r[0] for r in ranks.values()}
     assert talking and talking <= leaders, (talking, ranks)  # no rank 1 has a connection to it
-    assert len(joins) == 2 and all("island of 2 ranks, ddp" in device for _, device in joins), joins
+    assert len(joins) == 2 and all(f"island of 2 ranks, {parallel}" in device for _, device in joins), joins
     validated = [m["val_loss"] for m in metrics(run_dir) if m.get("val_loss") is not None]
     assert validated[-1] < validated[0]
     _, digest = final_coordinator_digest(run_dir)
@@ -131,13 +148,18 @@ def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processe
         assert report["status"] == "finished" and report["digest"] == digest, report
         assert report["digest_mismatches"] == 0 and report["resyncs"] == 0, report
         assert report["island"]["ranks"] == 2 and report["island"]["rank0_pid"] in leaders
+        if parallel == "fsdp":  # each rank held its half of the model and of AdamW's moments
+            held = report["island"]["held"]
+            assert len(held["params"]) == 2 and all(0 < n < 0.6 * sum(held["params"]) for n in held["params"])
+            assert sum(held["adamw"]) == 2 * sum(held["params"]), held
 
 
 ROUNDS = 12
 
 
-def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: Processes,
-                                                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: Processes, tmp_path: Path,
+                                                                    parallel: str) -> None:
     run_dir, reports, state_dir = tmp_path / "run", tmp_path / "reports", tmp_path / "state"
     processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
                                     "--rounds", str(ROUNDS), "--run-dir", str(run_dir),
@@ -147,7 +169,8 @@ def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: P
 
     def start_island(name: str) -> None:
         processes.start(name, ["worker", "--coordinator", address, "--device", "cpu", "--nproc-per-node",
-                               "2", "--report-dir", str(reports), "--state-dir", str(state_dir)])
+                               "2", "--parallel", parallel, "--report-dir", str(reports),
+                               "--state-dir", str(state_dir)])
 
     start_island("island")
     processes.start("plain", ["worker", "--coordinator", address, "--device", "cpu", "--report-dir", str(reports)])
@@ -171,6 +194,11 @@ def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: P
         assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
     restarted = processes.log("restarted")
     assert f"reclaiming worker {island_id}" in restarted and "restored the local state of round" in restarted
+    assert "inner AdamW state, data positions" in restarted, [  # every rank's AdamW (shard) came back
+        line for line in restarted.splitlines() if "state" in line]
+    if parallel == "fsdp":  # rank 1's shards of the last two rounds beside rank 0's file
+        shards = sorted(p.name for p in state_dir.glob(f"worker-{island_id}.rank-1.round-*.state.pt"))
+        assert len(shards) == 2 and (state_dir / f"worker-{island_id}.state.pt").exists(), shards
     _, digest = final_coordinator_digest(run_dir)
     finished = worker_reports(reports)
     assert finished[island_id]["pid"] == processes.procs["restarted"].pid

@@ -222,6 +222,6 @@ def test_a_worker_state_saved_under_one_split_is_refused_under_another(tmp_path)
     iid.trainer.train_partition([p.detach().clone() for p in iid.trainer.params], 1, 0)
     path = tmp_path / "worker-0.state.pt"
     local_state.save(path, iid, 1)
-    assert local_state.load(path, _training("iid")) == 1
+    assert local_state.load(path, _training("iid")) == (1, True)
     with pytest.raises(local_state.LocalStateError, match="another split of the data"):
         local_state.load(path, _training("contiguous"))
