@@ -261,7 +261,7 @@ class WorkerConfig:
     allowed_paths: list[str] = field(default_factory=list)  # folders (or files) it may read
     # an island: this many processes (ranks) on this host train as one worker, one slot and
     # one gRPC session (rank 0's); task.batch_size is the island's batch, each rank takes an
-    # equal share of it (docs/deploy.md, "A region as one worker")
+    # equal share of it (docs/deploy.md, "A region's GPUs as one worker")
     nproc_per_node: int = 1
     # how an island's ranks share the inner phase: ddp (each holds the whole model; the
     # gradients are averaged before every inner step) or fsdp (FSDP2: the parameters, their

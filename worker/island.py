@@ -1,6 +1,6 @@
 """A worker as an island of ranks: one worker id, one slot, one gRPC session, and N
 processes that train its inner phase together over torch.distributed (Gloo on CPUs, NCCL on
-GPUs), inside the island only (docs/deploy.md, "A region as one worker").
+GPUs), inside the island only (docs/deploy.md, "A region's GPUs as one worker").
 
 Rank 0 is the worker the coordinator sees: it joins, fetches the state, pushes, follows the
 rounds, holds θ, the error feedback and the encoder. The other ranks never open a connection
@@ -20,7 +20,7 @@ the same tokens, within float rounding:
   tensor in transit. Each rank saves and restores its own shard of the AdamW state
   (``optimizer_shard``; ``geoloco.worker.local_state``). What rank 0 keeps between rounds
   (θ, the error feedback, the encoder) stays whole, in its host memory: docs/deploy.md,
-  "A region as one worker".
+  "A region's GPUs as one worker".
 
 Two ways in:
 - ``geoloco worker --nproc-per-node N`` runs ``launch``: it starts the N ranks on this host,

@@ -98,7 +98,8 @@ def test_gpu_override_reserves_nvidia_gpus_for_workers_only() -> None:
         assert "download.pytorch.org/whl/cu" in args["TORCH_INDEX_URL"]
         # one island per container, of as many ranks as GEOLOCO_GPUS_PER_WORKER says (1)
         assert svc["command"] == ["worker", "--device", "cuda", "--nproc-per-node",
-                                  "${GEOLOCO_GPUS_PER_WORKER:-1}", *WORKER_METRICS_FLAGS]
+                                  "${GEOLOCO_GPUS_PER_WORKER:-1}", "--parallel", "${GEOLOCO_PARALLEL:-ddp}",
+                                  *WORKER_METRICS_FLAGS]
         assert svc["shm_size"] == "8gb"  # NCCL's shared memory between the ranks
         assert svc["image"] != _load(COMPOSE)["x-image"]["image"]  # CPU image stays as is
 
