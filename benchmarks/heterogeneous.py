@@ -3,10 +3,12 @@ of the same task; fixed density and compression.density = "auto" (worker/density
 with and without overlap (outer.overlap eager). Real processes through ``run_local`` give
 the round time; the loss at equal tokens comes from the in-process protocol
 (benchmarks/inprocess.py, simulate_overlap) over several seeds, where an auto arm trains
-with the per-worker densities its real run settled on (the mean of its steady rounds).
+with the per-worker densities its real run settled on (the mean of its steady rounds), in
+the parity benchmark's regime at 4 workers with SparseLoCo's tuned settings
+(benchmarks/overlap.py, add_loss_args).
 Prints a table, then one JSON line (docs/benchmarks.md).
 
-    python -m benchmarks.heterogeneous           # 4 workers, H=15, 10 rounds; loss: 5 seeds x 20 rounds
+    python -m benchmarks.heterogeneous           # 4 workers, H=15, 10 rounds; loss: 5 seeds x 40 rounds
     python -m benchmarks.heterogeneous --quick   # 3 arms, 2 workers (50, 5 Mbit/s), H=2, 3 rounds: a smoke test
 """
 
@@ -21,7 +23,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.inprocess import simulate_overlap
+from benchmarks.overlap import (
+    QUICK_LOSS,
+    add_loss_args,
+    loss_overrides,
+    loss_regime,
+    read_loss_args,
+    run_losses,
+)
 from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
@@ -39,8 +48,7 @@ ARMS = {
 }
 FIXED_DENSITY = 64 / 4096
 QUICK = {"workers": 2, "rounds": 3, "warmup_rounds": 1, "inner_steps": 2, "seq_len": 16,
-         "loss_rounds": 2, "seeds": 1, "links": ["50mbit/10ms", "5mbit/10ms"],
-         "arms": ["uniform", "fixed", "auto+overlap"]}
+         "links": ["50mbit/10ms", "5mbit/10ms"], "arms": ["uniform", "fixed", "auto+overlap"], **QUICK_LOSS}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,13 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup-rounds", type=int, default=2)
-    p.add_argument("--loss-rounds", type=int, default=20)
-    p.add_argument("--seeds", type=int, default=5)
+    add_loss_args(p)
     p.add_argument("--target-push-s", type=float, default=0.2,
                    help="compression.target_push_s of the auto arm without overlap")
     p.add_argument("--run-dir", default="runs/bench-heterogeneous")
     p.add_argument("--quick", action="store_true", help="tiny runs: checks the plumbing only")
     args = p.parse_args(argv)
+    read_loss_args(p, args)
     args.links, args.workers, args.arms = list(LINKS), len(LINKS), list(ARMS)
     if args.quick:
         for key, value in QUICK.items():
@@ -65,12 +73,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def config(args: argparse.Namespace, arm: str, run_dir: str, rounds: int, seed: int = 0,
-           densities: bool = True) -> RunConfig:
+def config(args: argparse.Namespace, arm: str, run_dir: str, rounds: int) -> RunConfig:
+    """An arm's real-process run."""
     links, density, overlap = ARMS[arm]
-    auto = density == "auto" and densities
+    auto = density == "auto"
     return load_config(overrides={
-        "workers": args.workers, "rounds": rounds, "seed": seed, "run_dir": run_dir,
+        "workers": args.workers, "rounds": rounds, "run_dir": run_dir,
         "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
         "task.val_windows": 16, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
         "outer.overlap": overlap,
@@ -81,6 +89,13 @@ def config(args: argparse.Namespace, arm: str, run_dir: str, rounds: int, seed: 
         "compression.target_push_s": args.target_push_s if auto and overlap == "none" else None,
         "coordinator.deadline_s": 3600.0, "coordinator.checkpoint_every": 0, "coordinator.val_every": 0,
     })
+
+
+def loss_config(args: argparse.Namespace, arm: str, seed: int) -> RunConfig:
+    """An arm's in-process loss run: its overlap mode, at the fixed density (an auto arm's
+    per-worker densities go to simulate_overlap)."""
+    return load_config(overrides={**loss_overrides(args, args.workers, seed), "outer.overlap": ARMS[arm][2],
+                                  "compression.density": FIXED_DENSITY})
 
 
 def measure(cfg: RunConfig, warmup: int) -> dict[str, Any]:
@@ -102,13 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms:
         runs[arm] = measure(config(args, arm, f"{args.run_dir}/{arm}", args.rounds), args.warmup_rounds)
         load.append(os.getloadavg()[0])
-    for arm, m in runs.items():  # equal tokens: the same rounds for every arm, in-process
-        losses = []
-        for seed in range(args.seeds):
-            cfg = config(args, arm, f"{args.run_dir}/sim", args.loss_rounds, seed, densities=False)
-            auto = ARMS[arm][1] == "auto"
-            losses.append(simulate_overlap(cfg, densities=m["densities"] if auto else None).final_val_loss)
-        m["losses"] = losses
+    jobs = [(arm, seed) for seed in range(args.seeds) for arm in runs]  # equal tokens: the same rounds
+    losses = run_losses([(loss_config(args, arm, seed),
+                          runs[arm]["densities"] if ARMS[arm][1] == "auto" else None) for arm, seed in jobs], args.jobs)
+    for arm in runs:
+        runs[arm]["losses"] = [loss for (a, _), loss in zip(jobs, losses, strict=True) if a == arm]
     uniform, fixed = runs["uniform"], runs["fixed"]
     result: dict[str, Any] = {}
     for arm, m in runs.items():
@@ -120,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                        "loss_vs_fixed": round(statistics.mean(rel), 5),
                        "densities": [round(d, 5) for d in m["densities"]]}
     result["links"], result["loss_seeds"] = args.links, args.seeds
+    result["loss_regime"] = loss_regime(args, args.workers)
     result["load_average"] = [round(min(load), 2), round(max(load), 2)]
     print(f"{'arm':<15}{'round s':>9}{'/ uniform':>11}{'final loss':>12}{'vs fixed':>10}  densities")
     for arm, r in result.items():
@@ -127,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arm:<15}{r['round_s']:>9.3f}{r['round_over_uniform']:>11.3f}"
                   f"{r['final_loss']['mean']:>12.4f}{r['loss_vs_fixed']:>10.4f}  {r['densities']}")
     print(f"links {args.links} (uniform {UNIFORM}), H={args.inner_steps}, {args.rounds} rounds per run; "
-          f"loss: {args.seeds} seeds x {args.loss_rounds} rounds in-process; load average "
+          f"loss: {args.seeds} seeds x {args.loss_rounds} rounds in-process, batch {args.loss_batch_size}x"
+          f"{args.seq_len}, overrides {args.overrides or 'none'}; load average "
           f"{min(load):.1f}-{max(load):.1f}")
-    cfg = config(args, "fixed", f"{args.run_dir}/sim", args.loss_rounds, densities=False)
-    print(json.dumps({**result, **provenance(cfg.task)}))
+    print(json.dumps({**result, **provenance(loss_config(args, "fixed", 0).task)}))
     return 0
 
 

@@ -188,7 +188,8 @@ def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int
 
 
 def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
-                     val_every_round: bool = False, densities: list[float] | None = None) -> Result:
+                     val_every_round: bool = False, densities: list[float] | None = None,
+                     val_tail: int = 1) -> Result:
     """``simulate`` under cfg.outer.overlap, in the order an overlapping worker
     (geoloco.worker.loop.Worker.fold_late) does things: round t trains from the running
     copy set up when round t - 1 was pushed, then round t - 1's result is folded into the
@@ -196,7 +197,8 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     made (geoloco.worker.overlap); the last round's result is applied at the end. Overlap
     ``none`` folds each result before the next round trains (the same as ``simulate``).
     ``densities``: each worker's fixed top-k density (what compression.density "auto"
-    chose in a real run), else cfg.compression.density."""
+    chose in a real run), else cfg.compression.density. The validation loss is scored after
+    each of the last ``val_tail`` results (every result with ``val_every_round``)."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -233,7 +235,7 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
         pending = (decision, update, frames)
         result.upload_bytes.append(sum(len(f) for f in frames) // cfg.workers)
         result.modes.append(update.mode)
-        if val_every_round and t > 0:
+        if t > 0 and (val_every_round or t > cfg.rounds - val_tail):
             result.val_losses.append(task.val_loss(model))  # after round t - 1's result
     fold(params, policy, workers, *pending)
     result.val_losses.append(task.val_loss(model))

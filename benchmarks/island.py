@@ -1,9 +1,11 @@
-"""An island of 2 ranks against 2 separate workers of 1 rank each, side by side in one run:
+"""An island of 2 ranks against 2 separate workers of 1 rank each, side by side in one run
+(the island under ``worker.parallel = "ddp"`` and under ``"fsdp"``):
 real processes through ``run_local`` on the same shaped links, with the same tokens per
 round (the island's batch is 2 x each separate worker's, so both train 2 x batch x H
 sequences a round). Per arm: the WAN bytes of a round (every worker's upload and download),
-the round time and the final validation loss, over several seeds, paired by seed. Prints a
-table, then one JSON line (docs/benchmarks.md).
+the round time and the final validation loss, over several seeds, paired by seed; for the
+fsdp island, the share of the model's elements and of the AdamW moments each rank held.
+Prints a table, then one JSON line (docs/benchmarks.md).
 
     python -m benchmarks.island              # gpt-tiny, H = 15, 12 rounds, 3 seeds, 4 Mbit/s links
     python -m benchmarks.island --quick      # 2 rounds of H = 2, 1 seed: a smoke test only
@@ -29,8 +31,9 @@ from benchmarks.overlap import T95
 from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
+from geoloco.run_dir import WORKERS_DIR
 
-ARMS = ("island", "separate")
+ARMS = ("island", "fsdp", "separate")  # island: ddp; fsdp: the same island, sharded
 QUICK = {"rounds": 2, "warmup_rounds": 1, "inner_steps": 2, "seq_len": 16, "seeds": 1,
          "wan": "20mbit/10ms"}
 
@@ -57,9 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def config(args: argparse.Namespace, arm: str, seed: int) -> RunConfig:
-    """The island: 1 worker of 2 ranks with a batch of 2 x --batch-size; separate: 2 workers
-    of --batch-size each. The same task, links, seed and tokens per round otherwise."""
-    island = arm == "island"
+    """The island (ddp) and fsdp: 1 worker of 2 ranks with a batch of 2 x --batch-size;
+    separate: 2 workers of --batch-size each. The same task, links, seed and tokens per
+    round otherwise."""
+    island = arm != "separate"
     return load_config(overrides={
         "workers": 1 if island else 2, "rounds": args.rounds, "seed": seed,
         "run_dir": f"{args.run_dir}/{arm}-seed{seed}",
@@ -67,6 +71,7 @@ def config(args: argparse.Namespace, arm: str, seed: int) -> RunConfig:
         "task.batch_size": 2 * args.batch_size if island else args.batch_size,
         "task.val_windows": 64, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
         "worker.nproc_per_node": 2 if island else 1, "worker.device": "cpu",
+        "worker.parallel": "fsdp" if arm == "fsdp" else "ddp",
         "network.wan": args.wan, "coordinator.deadline_s": 3600.0,
         "coordinator.checkpoint_every": 0, "coordinator.val_every": 0,
     })
@@ -86,7 +91,18 @@ def measure(cfg: RunConfig, warmup: int) -> dict[str, Any]:
         "round_s": statistics.mean(m["round_seconds"] for m in steady),
         "final_loss": summary["final_val_loss"],
         "digest_mismatches": summary["digest_mismatches"],
+        "held": held_shares(run_dir),
     }
+
+
+def held_shares(run_dir: Path) -> dict[str, list[float]] | None:
+    """An fsdp island's report: each rank's share of the model's elements and of the AdamW
+    moments' (None for a worker that holds the whole model)."""
+    for path in sorted((run_dir / WORKERS_DIR).glob("worker-*.json")):
+        held = json.loads(path.read_text()).get("island", {}).get("held")
+        if held:
+            return {key: [round(n / sum(counts), 4) for n in counts] for key, counts in held.items()}
+    return None
 
 
 def interval(values: list[float]) -> dict[str, float | None]:
@@ -114,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                        for key in ("wan_bytes_per_round", "round_s", "final_loss")}
         result[arm]["final_loss_by_seed"] = [round(r["final_loss"], 5) for r in runs[arm]]
         result[arm]["digest_mismatches"] = sum(r["digest_mismatches"] for r in runs[arm])
+        result[arm]["held"] = runs[arm][-1]["held"]
     result["wan_bytes_ratio"] = round(result["island"]["wan_bytes_per_round"]
                                       / result["separate"]["wan_bytes_per_round"], 4)
     result["round_s_ratio"] = round(result["island"]["round_s"] / result["separate"]["round_s"], 4)
+    result["fsdp_round_s_ratio"] = round(result["fsdp"]["round_s"] / result["island"]["round_s"], 4)
+    result["fsdp_loss_vs_ddp"] = interval([(a["final_loss"] - b["final_loss"]) / b["final_loss"]
+                                           for a, b in zip(runs["fsdp"], runs["island"], strict=True)])
     result["loss_vs_separate"] = interval([(a["final_loss"] - b["final_loss"]) / b["final_loss"]
                                            for a, b in zip(runs["island"], runs["separate"], strict=True)])
     result["seeds"], result["rounds"] = args.seeds, args.rounds
@@ -138,6 +158,11 @@ def table(result: dict[str, Any]) -> str:
     spread = "-" if loss["lower95"] is None else f"{loss['lower95']:+.2%} to {loss['upper95']:+.2%}"
     lines.append(f"island / separate: WAN bytes {result['wan_bytes_ratio']:.3f}, round time "
                  f"{result['round_s_ratio']:.3f}, loss {loss['mean']:+.2%} (95 % interval {spread})")
+    fsdp, held = result["fsdp_loss_vs_ddp"], result["fsdp"]["held"] or {}
+    spread = "-" if fsdp["lower95"] is None else f"{fsdp['lower95']:+.2%} to {fsdp['upper95']:+.2%}"
+    lines.append(f"fsdp / ddp island: round time {result['fsdp_round_s_ratio']:.3f}, loss {fsdp['mean']:+.2%} "
+                 f"(95 % interval {spread}); each rank held {held.get('params')} of the model, "
+                 f"{held.get('adamw')} of the AdamW moments")
     return "\n".join(lines)
 
 

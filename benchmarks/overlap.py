@@ -3,11 +3,14 @@ processes through ``run_local`` (as benchmarks/wan.py), 4 workers, H = 15, in tw
 communication at about 50 % of the inner compute, and at about 150 %. Utilization is the
 mean over workers of inner-compute seconds over round seconds (metrics.jsonl); the limit of
 a round is max(compute, communication) + encode. The loss at equal tokens comes from the
-in-process protocol (benchmarks/inprocess.py, simulate_overlap) over several seeds, paired
-by seed against ``none``. Prints a table, then one JSON line (docs/benchmarks.md).
+in-process protocol (benchmarks/inprocess.py, simulate_overlap) in the parity benchmark's
+regime (8 workers, batch 8 x 32, iid partitions, 1,024 validation windows, warm-up 15 % of
+the inner steps, the mean of the last 5 rounds' validation losses) and SparseLoCo's tuned
+settings (benchmarks/parity_tuned.json) over several seeds, paired by seed against ``none``. Prints a table, then one JSON line (docs/benchmarks.md).
 
-    python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 20 rounds
-    python -m benchmarks.overlap --loss-only --seeds 3 --loss-rounds 10   # the loss part alone
+    python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 40 rounds
+    python -m benchmarks.overlap --loss-only --seeds 3                 # the loss part alone
+    python -m benchmarks.overlap --loss-only --set outer.lr=0.5        # ... at another outer lr
     python -m benchmarks.overlap --quick    # one regime, 2 workers, H=2, 3 rounds, 1 seed: a smoke test
 """
 
@@ -20,10 +23,12 @@ import math
 import os
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.inprocess import simulate_overlap
+from benchmarks.inprocess import VAL_TAIL, simulate_overlap
+from benchmarks.parity import TUNED_FILE, load_tuned, pairs
 from benchmarks.provenance import provenance
 from geoloco.config import RunConfig, load_config
 from geoloco.launch import run_local
@@ -34,8 +39,9 @@ MODES = ("none", "delayed", "eager")
 # 100 kB per worker a round (20 kB up, 4 x 20 kB down): 4 Mbit/s is about 50 % of it, 1 Mbit/s
 # about 150 % (the measured ratio is in the JSON line)
 REGIMES = {"comm50": "4mbit/50ms", "comm150": "1mbit/50ms"}
+QUICK_LOSS = {"loss_rounds": 2, "seeds": 1, "loss_batch_size": 2, "val_windows": 16}
 QUICK = {"workers": 2, "rounds": 3, "warmup_rounds": 1, "inner_steps": 2, "seq_len": 16,
-         "loss_rounds": 2, "seeds": 1, "regimes": {"comm50": "20mbit/10ms"}}
+         "regimes": {"comm50": "20mbit/10ms"}, "loss_workers": 2, **QUICK_LOSS}
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
@@ -48,13 +54,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=10, help="rounds of each real-process run")
     p.add_argument("--warmup-rounds", type=int, default=2, help="first rounds left out of the means")
-    p.add_argument("--loss-rounds", type=int, default=20, help="rounds of each in-process loss run")
-    p.add_argument("--seeds", type=int, default=5, help="in-process loss runs per mode")
+    p.add_argument("--loss-workers", type=int, default=8, help="workers of the loss runs (parity's)")
+    add_loss_args(p)
     p.add_argument("--run-dir", default="runs/bench-overlap")
     p.add_argument("--quick", action="store_true", help="tiny runs: checks the plumbing only")
     p.add_argument("--loss-only", action="store_true", help="only the in-process loss at equal tokens")
     args = p.parse_args(argv)
     args.regimes = {} if args.loss_only else dict(REGIMES)
+    read_loss_args(p, args)
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -108,13 +115,73 @@ def paired(losses: dict[str, list[float]], mode: str) -> dict[str, float]:
     return {"mean": round(mean, 5), "upper95": round(upper, 5)}
 
 
+def add_loss_args(p: argparse.ArgumentParser) -> None:
+    """The in-process loss runs' options (here and in benchmarks/heterogeneous.py): the
+    parity benchmark's regime and SparseLoCo's tuned settings by default."""
+    p.add_argument("--loss-rounds", type=int, default=40, help="rounds of each in-process loss run")
+    p.add_argument("--loss-batch-size", type=int, default=8, help="batch of the loss runs (parity's)")
+    p.add_argument("--val-windows", type=int, default=1024, help="validation windows of the loss runs")
+    p.add_argument("--warmup", type=float, default=0.15, help="loss runs' warm-up, a share of the inner steps")
+    p.add_argument("--seeds", type=int, default=5, help="in-process loss runs per arm")
+    p.add_argument("--jobs", type=int, default=2, help="loss runs at once")
+    p.add_argument("--tuned", default=str(TUNED_FILE),
+                   help="the parity benchmark's tuned settings, SparseLoCo's taken for the loss runs ('none': defaults)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a config override for every loss run (every arm alike, after --tuned), e.g. outer.lr=0.5")
+
+
+def read_loss_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """args.overrides: SparseLoCo's tuned settings, then --set's."""
+    try:
+        args.overrides = {**load_tuned(args.tuned).get("sparseloco", {}), **pairs(args.overrides)}
+    except ValueError as e:
+        p.error(f"--set: {e}")
+
+
+def loss_overrides(args: argparse.Namespace, workers: int, seed: int) -> dict[str, Any]:
+    """A loss run's config: the parity benchmark's regime (benchmarks/parity.py) at
+    ``workers``, SparseLoCo at its tuned settings and --set's overrides."""
+    return {
+        "workers": workers, "rounds": args.loss_rounds, "seed": seed,
+        "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.loss_batch_size,
+        "task.val_windows": args.val_windows, "task.partitioning": "iid", "inner.steps": args.inner_steps,
+        "inner.warmup_steps": round(args.warmup * args.loss_rounds * args.inner_steps),
+        "compression.method": "sparseloco", **args.overrides,
+    }
+
+
+def loss_regime(args: argparse.Namespace, workers: int) -> dict[str, Any]:
+    """What the loss runs were, for the JSON line."""
+    return {"workers": workers, "rounds": args.loss_rounds, "batch": [args.loss_batch_size, args.seq_len],
+            "val_windows": args.val_windows, "warmup": args.warmup, "inner_steps": args.inner_steps,
+            "overrides": args.overrides}
+
+
+def loss_of(job: tuple[RunConfig, list[float] | None]) -> float:
+    """One loss run (a config, and each worker's density or None): the mean of its last
+    VAL_TAIL rounds' validation losses."""
+    cfg, densities = job
+    return simulate_overlap(cfg, densities=densities, val_tail=VAL_TAIL).tail_val_loss()
+
+
+def run_losses(jobs: list[tuple[RunConfig, list[float] | None]], n_jobs: int) -> list[float]:
+    """loss_of for every job, n_jobs at once, in the jobs' order."""
+    with ProcessPoolExecutor(max_workers=n_jobs) as pool:
+        return list(pool.map(loss_of, jobs))
+
+
+def loss_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
+    return load_config(overrides={**loss_overrides(args, args.loss_workers, seed), "outer.overlap": mode})
+
+
 def losses_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
-    """Final validation loss of each mode and seed at equal tokens (simulate_overlap)."""
+    """Each mode's loss at equal tokens, per seed, --jobs runs at once."""
+    jobs = [(mode, seed) for seed in range(args.seeds) for mode in MODES]
+    losses = run_losses([(loss_config(args, mode, seed), None) for mode, seed in jobs], args.jobs)
     out: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for seed in range(args.seeds):
-        for mode in MODES:
-            cfg = config(args, mode, "unlimited", f"{args.run_dir}/sim", args.loss_rounds, seed)
-            out[mode].append(simulate_overlap(cfg).final_val_loss)
+    for (mode, _), loss in zip(jobs, losses, strict=True):
+        out[mode].append(loss)
+        print(f"loss {mode}: {loss:.4f}", file=sys.stderr, flush=True)
     return out
 
 
@@ -150,14 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     result["final_loss"] = {mode: [round(x, 4) for x in values] for mode, values in losses.items()}
     result["loss_vs_none"] = {mode: paired(losses, mode) for mode in MODES[1:]}
     result["loss_seeds"], result["loss_rounds"] = args.seeds, args.loss_rounds
+    result["loss_regime"] = loss_regime(args, args.loss_workers)
     result["load_average"] = [round(min(load), 2), round(max(load), 2)]
     print(table(runs, losses))
     print(f"model {args.model}, H={args.inner_steps}, batch {args.batch_size}x{args.seq_len}, "
           f"{args.workers} workers, {args.rounds} rounds ({args.warmup_rounds} warm-up) per run; loss: "
-          f"{args.seeds} seeds x {args.loss_rounds} rounds in-process; load average "
+          f"{args.seeds} seeds x {args.loss_rounds} rounds in-process, {args.loss_workers} workers, batch "
+          f"{args.loss_batch_size}x{args.seq_len}, mean of the last {VAL_TAIL} rounds' validation losses "
+          f"(overrides {args.overrides or 'none'}); load average "
           f"{min(load):.1f}-{max(load):.1f}")
-    cfg = config(args, "none", next(iter(args.regimes.values())), f"{args.run_dir}/sim", args.loss_rounds)
-    print(json.dumps({**result, **provenance(cfg.task)}))
+    print(json.dumps({**result, **provenance(loss_config(args, "none", 0).task)}))
     return 0
 
 

@@ -1,10 +1,10 @@
 """The training-service benchmarks (wan, parity, metrics_cost, sweeps, quantizer, pgc_cr,
-ef_drift, straggler_loss, overlap, heterogeneous, broadcast, simclock), the security ones (fuzz_rpc, scale) and the
+ef_drift, straggler_loss, overlap, heterogeneous, broadcast, simclock, island), the security ones (fuzz_rpc, scale) and the
 codec's run end to end in their ``--quick`` form and end with one JSON line holding the figures
 they promise and where they come from (the corpus fingerprint and the software versions). Plumbing only: the numbers of
 a quick run are not measurements (docs/benchmarks.md has those). Cost: wan about a minute
 (three real local runs), overlap and heterogeneous about a minute each under light load
-(three real local runs each), the in-process ones 10-25 s each (broadcast about a minute under
+(three real local runs each), island about 30 s (three), the in-process ones 10-25 s each (broadcast about a minute under
 load: 8 runs and the frame sizes of a 3M-parameter layout)."""
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ KEYS = {
     "pgc_cr": {"weights", "loss_mean"},
     "ef_drift": {"uncoded_drift", "worst_coded_over_uncoded", "rows"},
     "straggler_loss": {"rows", "worst_loss_gap", "seeds"},
-    "overlap": {"comm50", "loss_vs_none", "loss_seeds"},
+    "overlap": {"comm50", "loss_vs_none", "loss_seeds", "loss_regime"},
     "heterogeneous": {"uniform", "fixed", "auto+overlap", "links"},
     "broadcast": {"rows", "ratio_mean_worst", "ratio_upper95_worst", "round_time", "rounds", "seeds"},
     "simclock": {"groups", "settings"},
+    "island": {"island", "fsdp", "separate", "wan_bytes_ratio", "fsdp_round_s_ratio", "fsdp_loss_vs_ddp"},
 }
 PROVENANCE = {"corpus", "versions"}  # every benchmark's last JSON line (benchmarks/provenance.py)
-RUN_DIR = {"wan", "overlap", "heterogeneous"}  # the benchmarks that take --run-dir
+RUN_DIR = {"wan", "overlap", "heterogeneous", "island"}  # the benchmarks that take --run-dir
 
 
 @pytest.mark.parametrize("name", sorted(KEYS))
