@@ -28,6 +28,7 @@ from benchmarks.overlap import (
     add_loss_args,
     loss_overrides,
     loss_regime,
+    loss_seeds,
     read_loss_args,
     run_losses,
 )
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms:
         runs[arm] = measure(config(args, arm, f"{args.run_dir}/{arm}", args.rounds), args.warmup_rounds)
         load.append(os.getloadavg()[0])
-    jobs = [(arm, seed) for seed in range(args.seeds) for arm in runs]  # equal tokens: the same rounds
+    jobs = [(arm, seed) for seed in loss_seeds(args) for arm in runs]  # equal tokens: the same rounds
     losses = run_losses([(loss_config(args, arm, seed),
                           runs[arm]["densities"] if ARMS[arm][1] == "auto" else None) for arm, seed in jobs], args.jobs)
     for arm in runs:

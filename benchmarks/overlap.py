@@ -123,6 +123,8 @@ def add_loss_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-windows", type=int, default=1024, help="validation windows of the loss runs")
     p.add_argument("--warmup", type=float, default=0.15, help="loss runs' warm-up, a share of the inner steps")
     p.add_argument("--seeds", type=int, default=5, help="in-process loss runs per arm")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the loss runs' seeds start here (tuning: keep them apart from the evaluation's 0..)")
     p.add_argument("--jobs", type=int, default=2, help="loss runs at once")
     p.add_argument("--tuned", default=str(TUNED_FILE),
                    help="the parity benchmark's tuned settings, SparseLoCo's taken for the loss runs ('none': defaults)")
@@ -150,9 +152,14 @@ def loss_overrides(args: argparse.Namespace, workers: int, seed: int) -> dict[st
     }
 
 
+def loss_seeds(args: argparse.Namespace) -> range:
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
 def loss_regime(args: argparse.Namespace, workers: int) -> dict[str, Any]:
     """What the loss runs were, for the JSON line."""
-    return {"workers": workers, "rounds": args.loss_rounds, "batch": [args.loss_batch_size, args.seq_len],
+    return {"workers": workers, "rounds": args.loss_rounds, "seeds": list(loss_seeds(args)),
+            "batch": [args.loss_batch_size, args.seq_len],
             "val_windows": args.val_windows, "warmup": args.warmup, "inner_steps": args.inner_steps,
             "overrides": args.overrides}
 
@@ -176,7 +183,7 @@ def loss_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
 
 def losses_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
     """Each mode's loss at equal tokens, per seed, --jobs runs at once."""
-    jobs = [(mode, seed) for seed in range(args.seeds) for mode in MODES]
+    jobs = [(mode, seed) for seed in loss_seeds(args) for mode in MODES]
     losses = run_losses([(loss_config(args, mode, seed), None) for mode, seed in jobs], args.jobs)
     out: dict[str, list[float]] = {mode: [] for mode in MODES}
     for (mode, _), loss in zip(jobs, losses, strict=True):
