@@ -6,7 +6,8 @@ a round is max(compute, communication) + encode. The loss at equal tokens comes 
 in-process protocol (benchmarks/inprocess.py, simulate_overlap) in the parity benchmark's
 regime (8 workers, batch 8 x 32, iid partitions, 1,024 validation windows, warm-up 15 % of
 the inner steps, the mean of the last 5 rounds' validation losses) and SparseLoCo's tuned
-settings (benchmarks/parity_tuned.json) over several seeds, paired by seed against ``none``. Prints a table, then one JSON line (docs/benchmarks.md).
+settings (benchmarks/parity_tuned.json) over several seeds, paired by seed against
+``none``. Prints a table, then one JSON line (docs/benchmarks.md).
 
     python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 40 rounds
     python -m benchmarks.overlap --loss-only --seeds 3                 # the loss part alone
@@ -186,9 +187,9 @@ def losses_in_process(args: argparse.Namespace) -> dict[str, list[float]]:
     jobs = [(mode, seed) for seed in loss_seeds(args) for mode in MODES]
     losses = run_losses([(loss_config(args, mode, seed), None) for mode, seed in jobs], args.jobs)
     out: dict[str, list[float]] = {mode: [] for mode in MODES}
-    for (mode, _), loss in zip(jobs, losses, strict=True):
+    for (mode, seed), loss in zip(jobs, losses, strict=True):
         out[mode].append(loss)
-        print(f"loss {mode}: {loss:.4f}", file=sys.stderr, flush=True)
+        print(f"loss {mode} seed {seed}: {loss:.4f}", file=sys.stderr, flush=True)
     return out
 
 
