@@ -118,11 +118,17 @@ def main(argv: list[str] | None = None) -> int:
     for arm in args.arms:
         runs[arm] = measure(config(args, arm, f"{args.run_dir}/{arm}", args.rounds), args.warmup_rounds)
         load.append(os.getloadavg()[0])
-    jobs = [(arm, seed) for seed in loss_seeds(args) for arm in runs]  # equal tokens: the same rounds
-    losses = run_losses([(loss_config(args, arm, seed),
-                          runs[arm]["densities"] if ARMS[arm][1] == "auto" else None) for arm, seed in jobs], args.jobs)
+    # equal tokens: the same rounds for every arm; in-process the links play no part, so arms
+    # alike in overlap and densities (uniform and fixed) share their runs
+    def loss_key(arm: str, seed: int) -> tuple:
+        auto = ARMS[arm][1] == "auto"
+        return ARMS[arm][2], tuple(runs[arm]["densities"]) if auto else None, seed
+
+    jobs = {loss_key(arm, seed): (arm, seed) for seed in loss_seeds(args) for arm in runs}
+    losses = dict(zip(jobs, run_losses([(loss_config(args, arm, seed), None if key[1] is None else list(key[1]))
+                                        for key, (arm, seed) in jobs.items()], args.jobs), strict=True))
     for arm in runs:
-        runs[arm]["losses"] = [loss for (a, _), loss in zip(jobs, losses, strict=True) if a == arm]
+        runs[arm]["losses"] = [losses[loss_key(arm, seed)] for seed in loss_seeds(args)]
     uniform, fixed = runs["uniform"], runs["fixed"]
     result: dict[str, Any] = {}
     for arm, m in runs.items():
