@@ -95,6 +95,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     from geoloco.coordinator.metrics import RunTotals
     from geoloco.coordinator.outer import make_outer
     from geoloco.coordinator.registry import WorkerRegistry
+    from geoloco.coordinator.roundlog import FrameSpool
     from geoloco.coordinator.rounds import CodePolicy, RoundState
     from geoloco.coordinator.service import CoordinatorServicer
     from geoloco.coordinator.state import CoordinatorState
@@ -105,7 +106,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     params = zero_params(layout)
     code = make_code("none", n, 0, 0)
     state = CoordinatorState(layout, params, WorkerRegistry(n, TOKEN), RunTotals(),
-                             RoundState(0, cfg.coordinator.deadline_s))
+                             RoundState(0, cfg.coordinator.deadline_s), spool=FrameSpool(run_dir))
     loop = RoundLoop(cfg, state, CodePolicy(code), make_outer(cfg, layout),
                      NoValidation(), nn.Module(), run_dir)
     server, port = start_server(cfg, CoordinatorServicer(state, cfg, layout, code), health.HealthServicer(), None)
@@ -116,6 +117,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
             loop.run_round()
     write_atomic(run_dir / RSS_FILE, f"{peak_rss_mb()}\n")
     server.stop(1.0).wait()
+    state.spool.close()
     return 0
 
 

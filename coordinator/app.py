@@ -20,7 +20,7 @@ from geoloco import transport
 from geoloco.certs import WorkerTokensError, load_worker_tokens
 from geoloco.compression import Layout, on_huge_pages, set_codec_threads
 from geoloco.config import ConfigError, RunConfig, require_token, resolve_token
-from geoloco.coordinator import checkpoint
+from geoloco.coordinator import checkpoint, roundlog
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER, UNAUTHENTICATED_AT_ONCE
 from geoloco.coordinator.loop import RoundLoop
@@ -112,7 +112,8 @@ class Coordinator:
         totals.extra["aggregation"] = cfg.outer.aggregation if note is None else "sum (weighted)"
         self.state = CoordinatorState(self.layout, params, registry, totals,
                                       RoundState(start_round, cfg.coordinator.deadline_s),
-                                      self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s)
+                                      self.run_dir / REGISTRY_FILE, cfg.coordinator.liveness_s,
+                                      roundlog.FrameSpool(self.run_dir))
         self.loop = RoundLoop(cfg, self.state, close_policy(self.code, cfg.coding), outer, task, model,
                               self.run_dir, task.model_files(model))
         self.loop.bounds.recent.update(guard_norms)
@@ -167,6 +168,8 @@ class Coordinator:
         self.state.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=LOOP_JOIN_S)
+        if self.state.spool is not None:
+            self.state.spool.close()
         if self._server is not None:
             self._health.enter_graceful_shutdown()
             self._server.stop(grace).wait()

@@ -191,8 +191,14 @@ class RoundLoop:
         round goes on unlogged, as do the rounds after it until a checkpoint covers them:
         the log never holds a round after a missing one, so a resume replays up to the gap
         and redoes the rest from the checkpoint (docs/protocol.md, "A full disk")."""
-        if self.unlogged_from is not None:
-            return
+        try:
+            if self.unlogged_from is None:
+                self.append_decision(rs, closed, update)
+        finally:
+            if self.state.spool is not None:
+                self.state.spool.settled(rs.round)  # its frames are durable or not needed
+
+    def append_decision(self, rs: RoundState, closed: ClosedRound, update: Update) -> None:
         now = time.monotonic()
         timing = RoundTiming(published_at=now, applied_at=now, wall_time=time.time(),
                              elapsed_seconds=self.elapsed_seconds())
@@ -201,12 +207,19 @@ class RoundLoop:
         entry = roundlog.LoggedRound(closed.header, closed.parts, closed.settlements, asdict(draft), sources,
                                      update.source_mode)
         try:
-            roundlog.append(self.run_dir, entry)
+            roundlog.append(self.run_dir, entry, self.state.spool)
         except OSError as exc:
             self.unlogged_from = rs.round
+            self.pause_spool(True)
             log.error("round %d: its close decision was not written to the round log (%s); training goes "
                       "on, and until the next checkpoint a coordinator killed redoes these rounds from the "
                       "last checkpoint instead of replaying them", rs.round, exc.strerror or exc)
+
+    def pause_spool(self, paused: bool) -> None:
+        """The round log's frame writer off while the log is (a decision was not written),
+        on again once a checkpoint covers the rounds it missed."""
+        if self.state.spool is not None:
+            self.state.spool.paused = paused
 
     def crash_point(self, stage: str, round: int) -> None:
         """The test seam of exactly-once: SIGKILL this process at ``stage`` of ``round``:
@@ -305,6 +318,7 @@ class RoundLoop:
                                after_weights=lambda: self.crash_point("checkpoint", next_round - 1))
         roundlog.prune(self.run_dir, next_round)
         self.unlogged_from = None  # the checkpoint covers the rounds the log missed
+        self.pause_spool(False)
         log.info("checkpoint %s (%s)", path, checkpoint.starts(next_round))
         return path
 

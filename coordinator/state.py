@@ -23,6 +23,7 @@ from geoloco.compression import Layout, encode_dense
 from geoloco.coordinator.metrics import ClosePhases, RunTotals
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
+from geoloco.coordinator.roundlog import FrameSpool
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
 from geoloco.replica import param_digest
 from geoloco.run_dir import write_atomic
@@ -71,10 +72,11 @@ class CoordinatorState:
 
     def __init__(self, layout: Layout, params: list[Tensor], registry: WorkerRegistry,
                  totals: RunTotals, rs: RoundState, registry_file: Path | None = None,
-                 liveness_s: float = 60.0) -> None:
+                 liveness_s: float = 60.0, spool: FrameSpool | None = None) -> None:
         self.layout = layout
         self.registry_file = registry_file  # the registry, rewritten when a Join changes it
         self.liveness_s = liveness_s
+        self.spool = spool  # the round log's frames, written as they are accepted
         # worker -> since when it has no Rounds stream (joined, restored from a checkpoint,
         # or its stream ended); gone liveness_s, it is marked dead
         self.unfollowed_since = dict.fromkeys(registry.records, time.monotonic())
@@ -182,6 +184,8 @@ class CoordinatorState:
             except RoundError:
                 self.rs.count_refused(arrival.frame.round, arrival.worker)
                 raise
+            if self.spool is not None:
+                self.spool.put(arrival.frame.round, arrival.data)
             self.lock.notify_all()
 
     def count_rejected(self, worker: int | None = None) -> None:

@@ -55,7 +55,7 @@ KNOWN_NAMES = LOCAL_WRITES
 # and leaves anything else (and then the folder) where it is.
 OWN_ENTRIES = {
     CHECKPOINT_DIR: re.compile(r"^round_\d{8}(\.pt)?(\.(tmp|old)\d+)?$"),
-    ROUNDLOG_DIR: re.compile(r"^round_\d{8}\.(json|frames)$"),
+    ROUNDLOG_DIR: re.compile(r"^round_\d{8}\.(json|frames|[0-9a-f]{64}\.frame)$"),
     TENSORBOARD_DIR: re.compile(r"^events\.out\.tfevents\..+$"),
     LOGS_DIR: re.compile(r"^(coordinator|warmup|worker-\d+)\.log$"),
     WORKERS_DIR: re.compile(r"^(gate-\d+|worker-\d+\.json)$"),
