@@ -89,6 +89,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     layout's parameters instead of a model built from a task."""
     from grpc_health.v1 import health
 
+    from geoloco.coordinator.app import coordinator_threads
     from geoloco.coordinator.app import serve as start_server
     from geoloco.coordinator.gradient_coding import make_code
     from geoloco.coordinator.loop import RoundLoop
@@ -102,6 +103,7 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
     from geoloco.run_dir import PORT_FILE, write_atomic
 
     cfg = run_config(n, run_dir)
+    coordinator_threads()  # the coordinator's process policy: threads and malloc arenas
     layout = layout_for(quick)
     params = zero_params(layout)
     code = make_code("none", n, 0, 0)
