@@ -8,19 +8,38 @@ and `ip netns`, and torchft (`pip install torchft==0.2.0`, a benchmark-only extr
 
     sudo python -m benchmarks.peers                      # 4 replicas at 20 Mbit/s, 3 seeds
     sudo python -m benchmarks.peers --seeds 1 --rounds 6 # a quicker look
+    sudo python -m benchmarks.peers --wan 50mbit,20mbit,10mbit,5mbit   # heterogeneous links
 
-Per system: round time split into compute and communication, the validation loss at equal
-tokens, and wire bytes per replica per round, from `ip -s link` on each namespace's
-interface sampled through the run and read at the steady rounds' ends. Prints a table, then
-one JSON line with ``speedup_vs_torchft`` (torchft's round over GeoLoCo SparseLoCo's),
-``bytes_ratio_vs_torchft`` and ``loss_ratio_vs_torchft`` (SparseLoCo over torchft, mean over
-seeds). What differs between the systems: torchft all-reduces over a ring, GeoLoCo sends
-to a coordinator that broadcasts (a star); Gloo reduces in fp32 as GeoLoCo's dense frames
-here do; without netem in the kernel the links have rates but no added delay (the JSON
-says which), the same for both. At the same settings GeoLoCo's dense DiLoCo and torchft's
-train the same model: the final validation losses agree (the JSON's ``diloco_vs_torchft``).
-Not measured yet: loss against wall time (time to a target loss, the plot), the fault row
-and the heterogeneous links of issue 28.
+Systems: torchft's DiLoCo (fp32, bucketized, ``init_sync=False``), GeoLoCo's dense DiLoCo,
+SparseLoCo at its defaults, SparseLoCo with ``pgc-fr`` (s = 1) and with ``outer.overlap =
+eager``. Outer learning rates are the loss issue's tuned ones (benchmarks/parity_tuned.json:
+dense DiLoCo's for torchft and GeoLoCo alike).
+
+Per system: round time split into compute and communication, wire bytes per replica per
+round (from `ip -s link` on each namespace's interface, sampled through the run and read at
+the steady rounds' ends), and the validation loss every ``--val-every`` rounds against wall
+time since round 0 opened and against the wire bytes so far. From those curves: the loss at
+the end (equal tokens), the loss at equal wall time (when the quickest system of the seed
+ended), and the wall time to torchft's final loss. Prints a table, writes a PNG of the
+curves (``--plot``), then one JSON line with ``speedup_vs_torchft`` (torchft's round over
+GeoLoCo SparseLoCo's), ``time_to_loss_ratio_vs_torchft``, ``bytes_ratio_vs_torchft`` and
+``loss_ratio_vs_torchft`` (SparseLoCo over torchft, mean over seeds). What differs between
+the systems: torchft all-reduces over a ring, GeoLoCo sends to a coordinator that
+broadcasts (a star); Gloo reduces in fp32 as GeoLoCo's dense frames here do (torchft 0.2.0
+has no bf16 pseudo-gradients: its ``should_quantize`` is fp8 through Triton, on CUDA);
+without netem in the kernel the links have rates but no added delay (the JSON says which),
+the same for both; GeoLoCo's coordinator measures the validation loss after it has sent the
+round out, torchft's replica 0 before its next inner phase. At the same settings GeoLoCo's
+dense DiLoCo and torchft's train the same model: the final validation losses agree (the
+JSON's ``diloco_vs_torchft``).
+
+The fault row (``--fault-round``): torchft, dense DiLoCo, SparseLoCo and SparseLoCo with
+``pgc-fr`` run again on seed 0,
+clean and with replica 1 SIGKILLed during that round's communication and started again at
+once with the same command: a GeoLoCo worker takes its slot back from its --state-dir
+(both runs keep one), a torchft replica heals from its peers at its first quorum (its
+step, data position and learning rate follow torchft's step). The row gives the wall time
+each fault cost, in seconds and in clean rounds.
 """
 
 from __future__ import annotations
@@ -29,12 +48,16 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +69,16 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netns import TestBed, unavailable  # noqa: E402 - the test bed lives with the tests
 
 TOKEN = "peers-benchmark"
-SYSTEMS = ("torchft", "diloco", "sparseloco")
+SYSTEMS = ("torchft", "diloco", "sparseloco", "pgc-fr", "eager")
+GEOLOCO = {  # system -> its compression method and settings besides the task's
+    "diloco": ("diloco", {}),
+    "sparseloco": ("sparseloco", {}),
+    "pgc-fr": ("sparseloco", {"coding.scheme": "pgc-fr", "coding.stragglers": 1}),
+    "eager": ("sparseloco", {"outer.overlap": "eager"}),
+}
+TUNED = ROOT / "benchmarks" / "parity_tuned.json"
+COMMITTED = re.compile(r"torchft_replica: round \d+: .*loss [0-9.naif]+$", re.MULTILINE)  # not "(not committed)"
+FAULT_SYSTEMS = ("torchft", "diloco", "sparseloco", "pgc-fr")
 LIGHTHOUSE = """
 import sys, time
 from torchft._torchft import LighthouseServer
@@ -59,7 +91,8 @@ time.sleep(86400)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--wan", default="20mbit", help="every replica's link (rate; delay needs netem)")
+    p.add_argument("--wan", default="20mbit", help="every replica's link (rate; delay needs netem), or one "
+                   "per replica, comma-separated")
     p.add_argument("--model", default="gpt-tiny")
     p.add_argument("--inner-steps", type=int, default=5, help="H: small, so that the dense transfer "
                    "takes at least 10x the compute at 20 Mbit/s (the JSON gives the measured ratio)")
@@ -67,12 +100,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup-rounds", type=int, default=2, help="first rounds left out of times and bytes")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the comparison (0: the fault row alone)")
     p.add_argument("--systems", default=",".join(SYSTEMS))
-    p.add_argument("--diloco-outer-lr", type=float, default=0.5,
-                   help="dense DiLoCo's outer lr for torchft and GeoLoCo alike (benchmarks/parity_tuned.json)")
+    p.add_argument("--diloco-outer-lr", type=float, default=None,
+                   help="dense DiLoCo's outer lr for torchft and GeoLoCo alike (default: the tuned one)")
+    p.add_argument("--sparseloco-outer-lr", type=float, default=None,
+                   help="SparseLoCo's outer lr (default: the tuned one)")
+    p.add_argument("--tuned", type=Path, default=TUNED, help="the loss issue's tuned settings")
+    p.add_argument("--val-every", type=int, default=2, help="rounds between validation losses")
+    p.add_argument("--plot", type=Path, default=None, help="the curves' PNG (default: RUN_DIR/peers.png)")
+    p.add_argument("--torchft-timeout-s", type=float, default=30.0,
+                   help="torchft's quorum, connect and collective timeouts, sized to the slowest link "
+                   "(about 10x a dense all-reduce of gpt-tiny at 20 Mbit/s)")
+    p.add_argument("--fault-round", type=int, default=None,
+                   help="the fault row: each of torchft, diloco, sparseloco and pgc-fr runs again on seed 0, clean and "
+                   "with replica 1 SIGKILLed in this round's communication and started again at once "
+                   "(default: half the rounds; a negative value: no fault row)")
     p.add_argument("--run-dir", default="runs/bench-peers")
     args = p.parse_args(argv)
+    tuned = json.loads(args.tuned.read_text())["tuned"]
+    if args.diloco_outer_lr is None:
+        args.diloco_outer_lr = tuned["diloco"]["outer.lr"]
+    if args.sparseloco_outer_lr is None:
+        args.sparseloco_outer_lr = tuned["sparseloco"]["outer.lr"]
+    args.links = args.wan.split(",")
+    if len(args.links) not in (1, args.replicas):
+        p.error(f"--wan gives {len(args.links)} links for {args.replicas} replicas: give one, or one each")
+    if args.val_every < 1:
+        p.error("--val-every must be at least 1")
+    if args.fault_round is None:
+        args.fault_round = args.rounds // 2
+    if args.fault_round >= args.rounds or (args.fault_round >= 0 and args.replicas < 2):
+        p.error("--fault-round must be below --rounds, with at least 2 replicas")
+    if args.seeds < 0 or (args.seeds == 0 and args.fault_round < 0):
+        p.error("--seeds 0 runs the fault row alone: give --fault-round too")
     args.systems = [s for s in args.systems.split(",") if s]
     if unknown := set(args.systems) - set(SYSTEMS):
         p.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
@@ -83,15 +144,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def config(args: argparse.Namespace, system: str, seed: int, run_dir: Path) -> RunConfig:
     """One task for every system; torchft runs the dense DiLoCo config."""
-    method = "sparseloco" if system == "sparseloco" else "diloco"
-    extra = {"outer.lr": args.diloco_outer_lr} if method == "diloco" else {}
+    method, extra = GEOLOCO.get(system, ("diloco", {}))
+    extra = {**extra, "outer.lr": args.diloco_outer_lr if method == "diloco" else args.sparseloco_outer_lr}
     return load_config(overrides={
         "workers": args.replicas, "rounds": args.rounds, "seed": seed, "run_dir": str(run_dir),
         "task.model": args.model, "task.seq_len": args.seq_len, "task.batch_size": args.batch_size,
         "task.val_windows": 64, "inner.steps": args.inner_steps, "inner.warmup_steps": 0,
         "inner.lr": 3e-3, "compression.method": method, "compression.dense_dtype": "fp32",
         "network.wan": "unlimited", "coordinator.deadline_s": 3600.0,
-        "coordinator.checkpoint_every": 0, "coordinator.val_every": 0, **extra,
+        "coordinator.checkpoint_every": 0, "coordinator.val_every": args.val_every, **extra,
     })
 
 
@@ -127,6 +188,10 @@ class ByteSampler:
         (t0, b0), (t1, b1) = samples[i - 1], samples[i]
         return b0 + (b1 - b0) * (t - t0) / (t1 - t0) if t1 > t0 else b1
 
+    def since(self, start: float, t: float) -> float:
+        """Mean wire bytes per host between two times."""
+        return statistics.mean(self.at(h, t) - self.at(h, start) for h in self.bed.hosts)
+
     def per_round(self, start: float, end: float, rounds: int) -> float:
         """Mean wire bytes per host and round between two round ends."""
         return statistics.mean(self.at(h, end) - self.at(h, start) for h in self.bed.hosts) / rounds
@@ -140,7 +205,40 @@ def wait_all(procs: dict[str, subprocess.Popen], logs: dict[str, Path], timeout_
             raise SystemExit(f"{name} exited {code}; its log {logs[name]}:\n{logs[name].read_text()[-2000:]}")
 
 
-def run_geoloco(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Fault:
+    """Replica ``replica`` SIGKILLed ``delay_s`` after round ``round`` began (aimed at its
+    communication: the clean run's compute plus a quarter of its communication), then started
+    again at once with the same command."""
+
+    round: int
+    delay_s: float
+    replica: int = 1
+
+
+def inject(fault: Fault, rounds_done: Callable[[], int], procs: dict[str, subprocess.Popen], name: str,
+           restart: Callable[[], None], timeout_s: float = 3600) -> float:
+    """Wait for ``fault.round`` rounds to be done, then kill and restart ``name``; returns the
+    wall time of the kill."""
+    deadline = time.monotonic() + timeout_s
+    while rounds_done() < fault.round:
+        if failed := [n for n, proc in procs.items() if proc.poll() not in (None, 0)]:
+            raise SystemExit(f"{failed} exited before the fault was injected")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"round {fault.round} was not reached in {timeout_s:.0f} s")
+        time.sleep(0.01)
+    time.sleep(fault.delay_s)
+    procs[name].kill()
+    procs[name].wait()
+    killed = time.time()
+    restart()
+    return killed
+
+
+def run_geoloco(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Namespace,
+                fault: Fault | None = None, state: bool = False) -> dict[str, Any]:
+    """One GeoLoCo run; ``state``: each worker keeps a --state-dir (what a worker started
+    again after a kill takes its slot back with); ``fault``: the fault row's run."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GEOLOCO_TOKEN=TOKEN,
                PYTHONPATH=str(ROOT))
     geoloco, certs, run_dir = [sys.executable, "-m", "geoloco.cli"], workdir / "certs", Path(cfg.run_dir)
@@ -150,10 +248,14 @@ def run_geoloco(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Name
     tls = ["--tls-ca", str(certs / "ca.pem")]
     procs, logs = {}, {}
 
-    def start(name: str, where: str, argv: list[str]) -> None:
+    def start(name: str, where: str, argv: list[str], mode: str = "wb") -> None:
         logs[name] = workdir / f"{name}.log"
-        with open(logs[name], "wb") as out:
+        with open(logs[name], mode) as out:
             procs[name] = bed.popen(where, [*geoloco, *argv], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def rounds_done() -> int:
+        metrics = run_dir / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
     try:
         start("coordinator", "hub", ["coordinator", "--config", str(workdir / "run.json"), "--overwrite", "--listen",
@@ -165,28 +267,55 @@ def run_geoloco(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Name
             if procs["coordinator"].poll() is not None:
                 raise SystemExit(f"the coordinator exited; see {logs['coordinator']}")
             time.sleep(0.2)
-        with ByteSampler(bed) as sampler:
-            for i, host in enumerate(bed.hosts):
-                start(f"worker-{i}", host, ["worker", "--coordinator", f"{bed.hub_address}:{port_file.read_text().strip()}",
+        workers = {}
+        for i, host in enumerate(bed.hosts):
+            state_dir = ["--state-dir", str(workdir / "state" / f"worker-{i}")] if state else []
+            workers[f"worker-{i}"] = host, ["worker", "--coordinator", f"{bed.hub_address}:{port_file.read_text().strip()}",
                                             "--device", "cpu", *tls, "--tls-cert", str(certs / f"worker-{i}.pem"),
-                                            "--tls-key", str(certs / f"worker-{i}.key")])
+                                            "--tls-key", str(certs / f"worker-{i}.key"), *state_dir]
+        with ByteSampler(bed) as sampler:
+            for name, (host, argv) in workers.items():
+                start(name, host, argv)
+            if fault is not None:
+                victim = f"worker-{fault.replica}"
+                killed = inject(fault, rounds_done, procs, victim, lambda: start(victim, *workers[victim], mode="ab"))
             wait_all(procs, logs, 3600)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text())
     steady = lines[args.warmup_rounds:]
     start_t, end_t = lines[args.warmup_rounds - 1]["time"], lines[-1]["time"]
+    opened = lines[0]["time"] - lines[0]["round_seconds"]  # round 0 opened
+    if fault is not None:
+        return {"wall_s": lines[-1]["time"] - opened, "killed_at_s": killed - opened,
+                "final_val_loss": summary["final_val_loss"], "rounds": len(lines)}
+    points = [(m["time"], m["val_loss"]) for m in lines if m.get("val_loss") is not None]
     return {
         "round_s": statistics.mean(m["round_seconds"] for m in steady),
         "compute_s": statistics.mean(m["compute_seconds_max"] for m in steady),
-        "final_val_loss": json.loads((run_dir / "summary.json").read_text())["final_val_loss"],
+        "final_val_loss": summary["final_val_loss"],
         "wire_bytes_per_replica_round": sampler.per_round(start_t, end_t, len(steady)),
+        "curve": curve(sampler, opened, summary["initial_val_loss"], points,
+                       (lines[-1]["time"], summary["final_val_loss"])),
     }
 
 
-def run_torchft(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def curve(sampler: ByteSampler, opened: float, initial: float, points: list[tuple[float, float]],
+          final: tuple[float, float]) -> list[list[float]]:
+    """[seconds since round 0 opened, validation loss, wire bytes per replica so far], from
+    the initial parameters to the end (the final loss added where the last round had none)."""
+    if not points or points[-1][0] < final[0]:
+        points = [*points, final]
+    return [[0.0, initial, 0.0]] + [[t - opened, loss, sampler.since(opened, t)] for t, loss in points]
+
+
+def run_torchft(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Namespace,
+                fault: Fault | None = None, state: bool = False) -> dict[str, Any]:
+    """One torchft run (``state`` is GeoLoCo's: torchft heals a restarted replica from its
+    peers); ``fault``: the fault row's run, replica 0's figures, whether the replicas agree."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                GLOO_SOCKET_IFNAME="eth0")
     (workdir / "run.json").write_text(cfg.to_json())
@@ -195,32 +324,52 @@ def run_torchft(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Name
     procs, logs = {}, {}
     try:
         url = f"http://{bed.hub_address}:{lighthouse.stdout.readline().strip()}"
+        def start(i: int, host: str, mode: str = "wb") -> None:
+            logs[host] = workdir / f"replica-{i}.log"
+            with open(logs[host], mode) as out:
+                procs[host] = bed.popen(host, [
+                    sys.executable, "-m", "benchmarks.torchft_replica", "--config", str(workdir / "run.json"),
+                    "--replica", str(i), "--lighthouse", url, "--host", bed.address(host),
+                    "--val-every", str(args.val_every), "--timeout-s", str(args.torchft_timeout_s),
+                    "--out", str(workdir / f"replica-{i}.json")], stdout=out, stderr=subprocess.STDOUT,
+                    env=env, cwd=ROOT)
+
+        def rounds_done() -> int:  # replica 0's committed rounds, from its log
+            return len(COMMITTED.findall(logs[next(iter(bed.hosts))].read_text()))
+
         with ByteSampler(bed) as sampler:
             for i, host in enumerate(bed.hosts):
-                logs[host] = workdir / f"replica-{i}.log"
-                with open(logs[host], "wb") as out:
-                    procs[host] = bed.popen(host, [
-                        sys.executable, "-m", "benchmarks.torchft_replica", "--config", str(workdir / "run.json"),
-                        "--replica", str(i), "--lighthouse", url, "--host", bed.address(host),
-                        "--out", str(workdir / f"replica-{i}.json")], stdout=out, stderr=subprocess.STDOUT,
-                        env=env, cwd=ROOT)
+                start(i, host)
+            if fault is not None:
+                victim = list(bed.hosts)[fault.replica]
+                killed = inject(fault, rounds_done, procs, victim, lambda: start(fault.replica, victim, mode="ab"))
             wait_all(procs, logs, 3600)
     finally:
         for proc in [*procs.values(), lighthouse]:
             if proc.poll() is None:
                 proc.kill()
     replicas = [json.loads((workdir / f"replica-{i}.json").read_text()) for i in range(cfg.workers)]
-    if len({r["digest"] for r in replicas}) != 1:
+    agree = len({r["digest"] for r in replicas}) == 1
+    if fault is not None:
+        first = replicas[0]["rounds"]
+        opened = first[0]["time"] - first[0]["round_s"]
+        return {"wall_s": first[-1]["time"] - opened, "killed_at_s": killed - opened,
+                "final_val_loss": replicas[0]["final_val_loss"], "rounds": len(first), "replicas_agree": agree}
+    if not agree:
         raise SystemExit(f"torchft replicas ended on different parameters; see {workdir}")
     steady = [r["rounds"][args.warmup_rounds:] for r in replicas]
     rounds = [max(r[k]["round_s"] for r in steady) for k in range(len(steady[0]))]
     first = replicas[0]["rounds"]
+    opened = first[0]["time"] - first[0]["round_s"]
     return {
         "round_s": statistics.mean(rounds),
         "compute_s": statistics.mean(max(r[k]["compute_s"] for r in steady) for k in range(len(rounds))),
         "final_val_loss": replicas[0]["final_val_loss"],
         "wire_bytes_per_replica_round": sampler.per_round(first[args.warmup_rounds - 1]["time"],
                                                           first[-1]["time"], len(rounds)),
+        "curve": curve(sampler, opened, replicas[0]["initial_val_loss"],
+                       [(r["time"], r["val_loss"]) for r in first if "val_loss" in r],
+                       (first[-1]["time"], replicas[0]["final_val_loss"])),
     }
 
 
@@ -232,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.run_dir).resolve()
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
     load = [os.getloadavg()[0]]
-    with TestBed({f"replica{i}": args.wan for i in range(args.replicas)}) as bed:
+    links = args.links * args.replicas if len(args.links) == 1 else args.links
+    with TestBed({f"replica{i}": link for i, link in enumerate(links)}) as bed:
         for seed in range(args.seeds):
             for system in args.systems:  # interleaved by seed: a change of load hits every system
                 workdir = root / f"{system}-seed{seed}"
@@ -241,36 +391,151 @@ def main(argv: list[str] | None = None) -> int:
                 run = run_torchft if system == "torchft" else run_geoloco
                 runs[system].append(run(bed, cfg, workdir, args))
                 load.append(os.getloadavg()[0])
-                print(f"seed {seed} {system}: {runs[system][-1]}", file=sys.stderr, flush=True)
+                brief = {k: v for k, v in runs[system][-1].items() if k != "curve"}
+                print(f"seed {seed} {system}: {brief}", file=sys.stderr, flush=True)
+        faults = fault_row(bed, args, root) if args.fault_round >= 0 else {}
         netem = bed.netem
+    result = summarize(runs) if args.seeds else {}
+    if faults:
+        result["fault"] = faults
+    result.update(replicas=args.replicas, wan=args.wan, netem=netem, rounds=args.rounds, seeds=args.seeds,
+                  inner_steps=args.inner_steps, val_every=args.val_every, fault_round=args.fault_round,
+                  outer_lr={"diloco": args.diloco_outer_lr, "sparseloco": args.sparseloco_outer_lr},
+                  load_average=[round(min(load), 2), round(max(load), 2)])
+    print(table(result, args.systems if args.seeds else []))
+    plot = args.plot or root / "peers.png"
+    if args.seeds and draw(runs, plot, f"{args.replicas} replicas, {args.wan}, H = {args.inner_steps}"):
+        print(f"curves: {plot}")
+    print(json.dumps({**result, **provenance(config(args, "sparseloco", 0, root).task)}))
+    return 0
+
+
+def fault_row(bed: TestBed, args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
+    """Each of FAULT_SYSTEMS on seed 0, clean and then with replica 1 killed during round
+    ``--fault-round``'s communication and started again at once (GeoLoCo's workers on a
+    --state-dir both times); the wall time the fault cost, in seconds and in clean rounds."""
+    row = {}
+    for system in [s for s in args.systems if s in FAULT_SYSTEMS]:
+        run = run_torchft if system == "torchft" else run_geoloco
+        clean_dir, fault_dir = root / f"{system}-clean", root / f"{system}-fault"
+        for folder in (clean_dir, fault_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        clean = run(bed, config(args, system, 0, clean_dir / "run"), clean_dir, args, state=True)
+        fault = Fault(args.fault_round, clean["compute_s"] + 0.25 * (clean["round_s"] - clean["compute_s"]))
+        hit = run(bed, config(args, system, 0, fault_dir / "run"), fault_dir, args, fault=fault, state=True)
+        clean_wall = clean["curve"][-1][0]
+        row[system] = {"clean_wall_s": round(clean_wall, 3), "fault_wall_s": round(hit["wall_s"], 3),
+                       "lost_s": round(hit["wall_s"] - clean_wall, 3),
+                       "lost_rounds": round((hit["wall_s"] - clean_wall) / clean["round_s"], 2),
+                       "killed_at_s": round(hit["killed_at_s"], 3), "kill_delay_s": round(fault.delay_s, 3),
+                       "final_val_loss": round(hit["final_val_loss"], 5),
+                       "clean_final_val_loss": round(clean["final_val_loss"], 5)}
+        if "replicas_agree" in hit:
+            row[system]["replicas_agree"] = hit["replicas_agree"]
+        print(f"fault {system}: {row[system]}", file=sys.stderr, flush=True)
+    return row
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per system the means over seeds, the loss at equal wall time (each seed's quickest
+    system's end) and the wall time to torchft's final loss of the same seed; then the
+    ratios against torchft."""
+    seeds = range(len(next(iter(runs.values()))))
+    ends = [min(runs[s][i]["curve"][-1][0] for s in runs) for i in seeds]
     result: dict[str, Any] = {}
     for system, values in runs.items():
-        result[system] = {key: round(statistics.mean(v[key] for v in values), 5) for key in values[0]}
-        result[system]["final_val_loss_by_seed"] = [round(v["final_val_loss"], 5) for v in values]
-        result[system]["communication_s"] = round(result[system]["round_s"] - result[system]["compute_s"], 5)
+        r = {key: round(statistics.mean(v[key] for v in values), 5) for key in values[0] if key != "curve"}
+        r["final_val_loss_by_seed"] = [round(v["final_val_loss"], 5) for v in values]
+        r["communication_s"] = round(r["round_s"] - r["compute_s"], 5)
+        r["wall_s"] = round(statistics.mean(v["curve"][-1][0] for v in values), 3)
+        r["loss_at_equal_time"] = round(statistics.mean(loss_at(v["curve"], t) for v, t in zip(values, ends, strict=True)), 5)
+        if "torchft" in runs:
+            reached = [time_to(v["curve"], runs["torchft"][i]["final_val_loss"]) for i, v in enumerate(values)]
+            r["time_to_torchft_loss_s"] = [None if t is None else round(t, 3) for t in reached]
+        r["curve_by_seed"] = [[[round(x, 5) for x in point] for point in v["curve"]] for v in values]
+        result[system] = r
     if "torchft" in result and "sparseloco" in result:
         t, s = result["torchft"], result["sparseloco"]
         result["speedup_vs_torchft"] = round(t["round_s"] / s["round_s"], 3)
         result["bytes_ratio_vs_torchft"] = round(s["wire_bytes_per_replica_round"] / t["wire_bytes_per_replica_round"], 5)
         result["loss_ratio_vs_torchft"] = round(statistics.mean(
             a["final_val_loss"] / b["final_val_loss"] for a, b in zip(runs["sparseloco"], runs["torchft"], strict=True)), 4)
+        pairs = list(zip(s["time_to_torchft_loss_s"], t["time_to_torchft_loss_s"], strict=True))
+        result["time_to_loss_ratio_vs_torchft"] = (None if any(a is None for a, _ in pairs) else
+                                                   round(statistics.mean(a / b for a, b in pairs), 4))
         result["dense_transfer_over_compute"] = round(t["communication_s"] / t["compute_s"], 2)
     if "torchft" in result and "diloco" in result:
         result["diloco_vs_torchft"] = [round(a["final_val_loss"] / b["final_val_loss"], 6)
                                        for a, b in zip(runs["diloco"], runs["torchft"], strict=True)]
-    result.update(replicas=args.replicas, wan=args.wan, netem=netem, rounds=args.rounds, seeds=args.seeds,
-                  inner_steps=args.inner_steps, load_average=[round(min(load), 2), round(max(load), 2)])
-    print(table(result, args.systems))
-    print(json.dumps({**result, **provenance(config(args, "sparseloco", 0, root).task)}))
-    return 0
+    return result
+
+
+def time_to(curve: list[list[float]], target: float) -> float | None:
+    """The first wall time the curve reaches ``target`` (linear between its points), or
+    None where it never does."""
+    if curve[0][1] <= target:
+        return curve[0][0]
+    for (t0, l0, _), (t1, l1, _) in pairwise(curve):
+        if l1 <= target:  # l0 > target >= l1
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def loss_at(curve: list[list[float]], t: float) -> float:
+    """The curve's loss at wall time ``t`` (linear between its points; the last past its end)."""
+    for (t0, l0, _), (t1, l1, _) in pairwise(curve):
+        if t <= t1:
+            return l0 + (l1 - l0) * (t - t0) / (t1 - t0) if t1 > t0 else l1
+    return curve[-1][1]
+
+
+def draw(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> bool:
+    """Validation loss against wall time and against wire bytes, every system overlaid
+    (one line per seed); False, and a note, without matplotlib (the `plots` extra)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'geoloco[plots]')", file=sys.stderr)
+        return False
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (system, values) in enumerate(runs.items()):
+        for seed, v in enumerate(values):
+            t, loss, wire = zip(*v["curve"], strict=True)
+            label = system if seed == 0 else None
+            by_time.plot(t, loss, color=f"C{i}", alpha=0.8, label=label)
+            by_bytes.plot([b / 1e6 for b in wire], loss, color=f"C{i}", alpha=0.8, label=label)
+    by_time.set(xlabel="wall time since round 0 (s)", ylabel="validation loss", xscale="symlog")
+    by_bytes.set(xlabel="wire MB per replica", ylabel="validation loss", xscale="symlog")
+    by_time.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def table(result: dict[str, Any], systems: list[str]) -> str:
-    lines = [f"{'system':<12}{'round s':>9}{'compute s':>11}{'comm s':>9}{'wire B/replica/round':>22}{'final loss':>12}"]
+    lines = [f"{'system':<12}{'round s':>9}{'compute s':>11}{'comm s':>9}{'wire B/replica/round':>22}"
+             f"{'final loss':>12}{'loss at equal time':>20}{'wall s':>9}{'s to torchft loss':>19}"]
     for system in systems:
         r = result[system]
+        reached = r.get("time_to_torchft_loss_s", [])
+        to_loss = ("-" if not reached else "not reached" if None in reached
+                   else f"{statistics.mean(reached):.1f}")
         lines.append(f"{system:<12}{r['round_s']:>9.3f}{r['compute_s']:>11.3f}{r['communication_s']:>9.3f}"
-                     f"{r['wire_bytes_per_replica_round']:>22,.0f}{r['final_val_loss']:>12.4f}")
+                     f"{r['wire_bytes_per_replica_round']:>22,.0f}{r['final_val_loss']:>12.4f}"
+                     f"{r['loss_at_equal_time']:>20.4f}{r['wall_s']:>9.1f}{to_loss:>19}")
+    if "fault" in result:
+        lines.append(f"\nfault row: replica 1 SIGKILLed in round {result['fault_round']}'s communication, "
+                     "started again at once (seed 0)")
+        lines.append(f"{'system':<12}{'clean wall s':>14}{'fault wall s':>14}{'lost s':>9}{'lost rounds':>13}"
+                     f"{'final loss':>12}")
+        for system, f in result["fault"].items():
+            lines.append(f"{system:<12}{f['clean_wall_s']:>14.1f}{f['fault_wall_s']:>14.1f}{f['lost_s']:>9.1f}"
+                         f"{f['lost_rounds']:>13.2f}{f['final_val_loss']:>12.4f}")
     return "\n".join(lines)
 
 

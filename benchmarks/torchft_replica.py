@@ -10,8 +10,10 @@ step. torchft is a benchmark-only extra (``pip install torchft==0.2.0``; docs/de
 Each replica is a replica group of one rank with its own TCPStore on ``--host`` (the address
 its peers reach it by). It prints nothing but torchft's log and writes, as JSON: per round
 the seconds of the inner phase (compute) and of the synchronisation (the optimizer step that
-ends the round, where DiLoCo all-reduces and applies the outer step), replica 0's final
-validation loss, and the parameters' digest (every replica must end on the same one).
+ends the round, where DiLoCo all-reduces and applies the outer step), replica 0's
+validation loss after every ``--val-every``-th round (its next inner phase, and so the next
+all-reduce, waits for it) and at the end, and the parameters' digest (every replica must
+end on the same one).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from geoloco.schedule import lr_at
 from geoloco.tasks import build_task
 
 log = logging.getLogger("torchft_replica")
+# the quorum waits this many collective timeouts: after a peer is killed, a replica whose
+# all-reduce failed at once waits in the quorum for those its all-reduce still holds
+QUORUM_TIMEOUTS = 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="the address peers reach this replica by")
     p.add_argument("--store-port", type=int, default=0, help="its TCPStore's port (0: a free one)")
     p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="torchft's quorum, connect and collective timeouts: size them to the slowest link")
+                   help="torchft's connect and collective timeouts (the quorum's is 3x): size them to the "
+                   "slowest link")
+    p.add_argument("--val-every", type=int, default=0,
+                   help="replica 0 measures the validation loss after every K-th round (0: at the end only)")
     p.add_argument("--out", type=Path, required=True)
     return p.parse_args(argv)
 
@@ -53,6 +61,20 @@ def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def host_transport(host: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport (what a restarted replica heals from), advertised
+    at ``host``, the address its peers reach this replica by: torchft names it by the
+    machine's hostname, which on the test bed's namespaces (one machine) resolves to each
+    namespace's own loopback."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class HostTransport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return HostTransport(timeout=timeout, num_chunks=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,15 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         min_replica_size=cfg.workers, use_async_quorum=False, rank=0, world_size=1,
         store_addr=args.host, store_port=port, lighthouse_addr=args.lighthouse,
         replica_id=f"replica-{args.replica}", hostname=args.host, init_sync=False,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        checkpoint_transport=host_transport(args.host, timeout),
+        timeout=timeout, quorum_timeout=QUORUM_TIMEOUTS * timeout, connect_timeout=timeout)
     H, total = cfg.inner.steps, cfg.rounds * cfg.inner.steps
-    batches = task.batches(args.replica, 0)
     rounds = []
+    initial = task.val_loss(model) if args.replica == 0 else None  # before the clock starts
     start = time.monotonic()
     with DiLoCo(manager, [model], inner, outer, sync_every=H, use_bucketization=True):
-        for r in range(cfg.rounds):
+        # by torchft's step, not a count of our own: a replica started again after a kill
+        # heals to its peers' step at its first quorum, and a round whose all-reduce failed
+        # (a peer killed during it) is not committed and is trained again
+        while (r := manager.current_step()) < cfg.rounds:
             began = time.monotonic()
-            losses = []
+            batches, losses = task.batches(args.replica, r * H), []  # the round's data, as a worker's
             for step in range(H):
                 for group in inner.param_groups:
                     group["lr"] = lr_at(cfg.inner, r * H + step, total)
@@ -110,14 +136,19 @@ def main(argv: list[str] | None = None) -> int:
                     synced = time.monotonic()
                 inner.step()  # DiLoCo's hook: on the H-th step, all-reduce and the outer step
             ended = time.monotonic()
-            rounds.append({"round": r, "time": time.time(), "compute_s": synced - began, "sync_s": ended - synced,
+            done = manager.current_step()  # r + 1 once committed; the peers' step + 1 after a heal
+            rounds.append({"round": done - 1, "committed": done > r, "time": time.time(),
+                           "compute_s": synced - began, "sync_s": ended - synced,
                            "round_s": ended - began, "elapsed_s": ended - start,
                            "train_loss": sum(losses) / len(losses)})
-            log.info("round %d: %.2fs (sync %.2fs), loss %.4f", r, ended - began, ended - synced,
-                     rounds[-1]["train_loss"])
+            if args.replica == 0 and args.val_every and done > r and done % args.val_every == 0:
+                rounds[-1]["val_loss"] = task.val_loss(model)  # the global θ after the outer step
+            log.info("round %d: %.2fs (sync %.2fs), loss %.4f%s", done - 1, ended - began, ended - synced,
+                     rounds[-1]["train_loss"], "" if done > r else " (not committed)")
     theta = [t.detach().float() for _, t in replica_tensors(model)]
     result = {"replica": args.replica, "rounds": rounds, "steps": manager.current_step(),
               "digest": param_digest(theta), "wall_s": time.monotonic() - start,
+              "initial_val_loss": initial,
               "final_val_loss": task.val_loss(model) if args.replica == 0 else None}
     if result["final_val_loss"] is not None and not math.isfinite(result["final_val_loss"]):
         log.error("the validation loss is %s", result["final_val_loss"])

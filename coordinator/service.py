@@ -208,6 +208,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
                                         next_task=self.task_for(record.worker_id, round + 1))
                 else:
                     yield pb.StateChunk(data=chunk)
+            if round >= self.cfg.rounds:  # the run's final state: what its last result would give
+                self.state.mark_finish_delivered(record.worker_id)
 
     def Push(self, request_iterator: Iterator[pb.PushChunk],
              context: grpc.ServicerContext) -> pb.PushReply:

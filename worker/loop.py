@@ -228,6 +228,8 @@ class Worker:
             raise Stopped("stop() was called")
         if self.inflight is not None:
             return self.fold_late()
+        if self.run_over():
+            return True
         result = self.session.poll_result(self.round)
         if result is None and self.outbox is None and self.has_work():
             trained = self.take_ahead()  # trained from θ_{r-1} (confirmed) while r-1 travelled
@@ -484,7 +486,17 @@ class Worker:
         # are applied as they were broadcast, so this worker's own frame is settled too
         if reply.current_round < self.round or self.task is None:
             self.fetch_state()
+        if self.run_over():
+            log.info("all %d rounds of the run are closed (rejoined after the last one): the state "
+                     "fetched is the final one", self.training.cfg.rounds)
+            return
         self.session.follow(self.round, self.training.layout)
+
+    def run_over(self) -> bool:
+        """Whether θ is past the run's last round: a worker that rejoins after the last
+        round closed (killed before it, started again after) fetches the final state and
+        has no round left to play or result to wait for."""
+        return self.training is not None and self.round >= self.training.cfg.rounds
 
     def join(self) -> pb.JoinReply:
         """Session.join; a new process first takes the identity saved in state_dir by a

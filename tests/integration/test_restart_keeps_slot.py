@@ -78,3 +78,37 @@ def test_a_restarted_worker_gets_its_slot_back_at_once(processes: Processes, tmp
     assert finished[1]["pid"] == processes.procs["restarted"].pid
     assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values())
     assert [m["round"] for m in metrics(run_dir)] == list(range(ROUNDS))
+
+
+def test_a_worker_started_again_after_the_last_round_finishes_at_once(processes: Processes,
+                                                                      tmp_path: Path) -> None:
+    """Under pgc-fr (n = 2, s = 1) the survivor carries the run to its end alone; the killed
+    worker, started again only then, fetches the final state and finishes on its digest, and
+    the coordinator, which waits for every live worker to have the end, ends with it rather
+    than after coordinator.liveness_s (600 s here) or the deadline."""
+    run_dir, reports, rounds = tmp_path / "run", tmp_path / "reports", 8
+    coded = {**FAST, "coordinator.liveness_s": "600", "coding.scheme": "pgc-fr", "coding.stragglers": "1"}
+    processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
+                                    "--rounds", str(rounds), "--run-dir", str(run_dir), *set_flags(coded)])
+    address = f"127.0.0.1:{coordinator_port(run_dir)}"
+
+    def start_worker(name: str, state_dir: Path) -> None:
+        processes.start(name, ["worker", "--coordinator", address, "--device", "cpu",
+                               "--connect-timeout", "120", "--report-dir", str(reports),
+                               "--state-dir", str(state_dir), "--wan-emulate", LINK])
+
+    for i in range(2):
+        start_worker(f"worker-{i}", tmp_path / f"state-{i}")
+    wait_until(lambda: len(metrics(run_dir)) >= 2, 180, "two rounds")
+    victim = next(n for n, p in processes.procs.items() if p.pid == worker_reports(reports)[1]["pid"])
+    processes.kill(victim)
+    wait_until(lambda: len(metrics(run_dir)) == rounds, 180, "the survivor to close every round")
+    start_worker("restarted", tmp_path / f"state-{victim[-1]}")
+
+    assert processes.wait("restarted", timeout=120) == 0, processes.log("restarted")[-3000:]
+    assert processes.wait("coordinator", timeout=120) == 0, processes.log("coordinator")[-3000:]
+    assert "rounds of the run are closed (rejoined after the last one)" in processes.log("restarted")
+    _, digest = final_coordinator_digest(run_dir)
+    finished = worker_reports(reports)
+    assert finished[1]["pid"] == processes.procs["restarted"].pid
+    assert all(r["status"] == "finished" and r["digest"] == digest for r in finished.values()), finished
