@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--val-every", type=int, default=2, help="rounds between validation losses")
     p.add_argument("--plot", type=Path, default=None, help="the curves' PNG (default: RUN_DIR/peers.png)")
     p.add_argument("--torchft-timeout-s", type=float, default=30.0,
-                   help="torchft's quorum, connect and collective timeouts, sized to the slowest link "
-                   "(about 10x a dense all-reduce of gpt-tiny at 20 Mbit/s)")
+                   help="torchft's connect and collective timeouts (its quorum's is 3x), sized to the "
+                   "slowest link (about 10x a dense all-reduce of gpt-tiny at 20 Mbit/s)")
     p.add_argument("--fault-round", type=int, default=None,
                    help="the fault row: each of torchft, diloco, sparseloco and pgc-fr runs again on seed 0, clean and "
                    "with replica 1 SIGKILLed in this round's communication and started again at once "
