@@ -39,7 +39,9 @@ clean and with replica 1 SIGKILLed during that round's communication and started
 once with the same command: a GeoLoCo worker takes its slot back from its --state-dir
 (both runs keep one), a torchft replica heals from its peers at its first quorum (its
 step, data position and learning rate follow torchft's step). The row gives the wall time
-each fault cost, in seconds and in clean rounds.
+each fault cost, in seconds and in clean rounds: a clean run's wall time itself varies by a
+round or two, so ``--fault-repeats N`` runs N clean and fault pairs and gives their mean
+and each pair's figure.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the fault row: each of torchft, diloco, sparseloco and pgc-fr runs again on seed 0, clean and "
                    "with replica 1 SIGKILLed in this round's communication and started again at once "
                    "(default: half the rounds; a negative value: no fault row)")
+    p.add_argument("--fault-repeats", type=int, default=1,
+                   help="clean and fault run pairs per system in the fault row: the row gives their mean "
+                   "and each pair's figure (one clean run's wall time varies by a round or two)")
     p.add_argument("--run-dir", default="runs/bench-peers")
     args = p.parse_args(argv)
     tuned = json.loads(args.tuned.read_text())["tuned"]
@@ -132,6 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.fault_round = args.rounds // 2
     if args.fault_round >= args.rounds or (args.fault_round >= 0 and args.replicas < 2):
         p.error("--fault-round must be below --rounds, with at least 2 replicas")
+    if args.fault_repeats < 1:
+        p.error("--fault-repeats must be at least 1")
     if args.seeds < 0 or (args.seeds == 0 and args.fault_round < 0):
         p.error("--seeds 0 runs the fault row alone: give --fault-round too")
     args.systems = [s for s in args.systems.split(",") if s]
@@ -400,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         result["fault"] = faults
     result.update(replicas=args.replicas, wan=args.wan, netem=netem, rounds=args.rounds, seeds=args.seeds,
                   inner_steps=args.inner_steps, val_every=args.val_every, fault_round=args.fault_round,
-                  outer_lr={"diloco": args.diloco_outer_lr, "sparseloco": args.sparseloco_outer_lr},
+                  fault_repeats=args.fault_repeats, outer_lr={"diloco": args.diloco_outer_lr, "sparseloco": args.sparseloco_outer_lr},
                   load_average=[round(min(load), 2), round(max(load), 2)])
     print(table(result, args.systems if args.seeds else []))
     plot = args.plot or root / "peers.png"
@@ -413,27 +420,43 @@ def main(argv: list[str] | None = None) -> int:
 def fault_row(bed: TestBed, args: argparse.Namespace, root: Path) -> dict[str, dict[str, Any]]:
     """Each of FAULT_SYSTEMS on seed 0, clean and then with replica 1 killed during round
     ``--fault-round``'s communication and started again at once (GeoLoCo's workers on a
-    --state-dir both times); the wall time the fault cost, in seconds and in clean rounds."""
+    --state-dir both times), ``--fault-repeats`` pairs; the wall time the fault cost, in
+    seconds and in clean rounds: the mean over pairs, and each pair's."""
     row = {}
     for system in [s for s in args.systems if s in FAULT_SYSTEMS]:
-        run = run_torchft if system == "torchft" else run_geoloco
-        clean_dir, fault_dir = root / f"{system}-clean", root / f"{system}-fault"
-        for folder in (clean_dir, fault_dir):
-            folder.mkdir(parents=True, exist_ok=True)
-        clean = run(bed, config(args, system, 0, clean_dir / "run"), clean_dir, args, state=True)
-        fault = Fault(args.fault_round, clean["compute_s"] + 0.25 * (clean["round_s"] - clean["compute_s"]))
-        hit = run(bed, config(args, system, 0, fault_dir / "run"), fault_dir, args, fault=fault, state=True)
-        clean_wall = clean["curve"][-1][0]
-        row[system] = {"clean_wall_s": round(clean_wall, 3), "fault_wall_s": round(hit["wall_s"], 3),
-                       "lost_s": round(hit["wall_s"] - clean_wall, 3),
-                       "lost_rounds": round((hit["wall_s"] - clean_wall) / clean["round_s"], 2),
-                       "killed_at_s": round(hit["killed_at_s"], 3), "kill_delay_s": round(fault.delay_s, 3),
-                       "final_val_loss": round(hit["final_val_loss"], 5),
-                       "clean_final_val_loss": round(clean["final_val_loss"], 5)}
-        if "replicas_agree" in hit:
-            row[system]["replicas_agree"] = hit["replicas_agree"]
+        pairs = [fault_pair(bed, args, root / (system if args.fault_repeats == 1 else f"{system}-{i}"), system)
+                 for i in range(args.fault_repeats)]
+        row[system] = {key: round(statistics.mean(p[key] for p in pairs), 3)
+                       for key in pairs[0] if not isinstance(pairs[0][key], bool)}
+        row[system]["lost_rounds"] = round(row[system]["lost_rounds"], 2)
+        if args.fault_repeats > 1:
+            row[system]["lost_s_by_pair"] = [p["lost_s"] for p in pairs]
+            row[system]["lost_rounds_by_pair"] = [p["lost_rounds"] for p in pairs]
+        if "replicas_agree" in pairs[0]:
+            row[system]["replicas_agree"] = all(p["replicas_agree"] for p in pairs)
         print(f"fault {system}: {row[system]}", file=sys.stderr, flush=True)
     return row
+
+
+def fault_pair(bed: TestBed, args: argparse.Namespace, root: Path, system: str) -> dict[str, Any]:
+    """One clean run of ``system`` and one with the fault, under ``root``-clean and -fault."""
+    run = run_torchft if system == "torchft" else run_geoloco
+    clean_dir, fault_dir = Path(f"{root}-clean"), Path(f"{root}-fault")
+    for folder in (clean_dir, fault_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    clean = run(bed, config(args, system, 0, clean_dir / "run"), clean_dir, args, state=True)
+    fault = Fault(args.fault_round, clean["compute_s"] + 0.25 * (clean["round_s"] - clean["compute_s"]))
+    hit = run(bed, config(args, system, 0, fault_dir / "run"), fault_dir, args, fault=fault, state=True)
+    clean_wall = clean["curve"][-1][0]
+    pair = {"clean_wall_s": round(clean_wall, 3), "fault_wall_s": round(hit["wall_s"], 3),
+            "lost_s": round(hit["wall_s"] - clean_wall, 3),
+            "lost_rounds": round((hit["wall_s"] - clean_wall) / clean["round_s"], 2),
+            "killed_at_s": round(hit["killed_at_s"], 3), "kill_delay_s": round(fault.delay_s, 3),
+            "final_val_loss": round(hit["final_val_loss"], 5),
+            "clean_final_val_loss": round(clean["final_val_loss"], 5)}
+    if "replicas_agree" in hit:
+        pair["replicas_agree"] = hit["replicas_agree"]
+    return pair
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -529,8 +552,9 @@ def table(result: dict[str, Any], systems: list[str]) -> str:
                      f"{r['wire_bytes_per_replica_round']:>22,.0f}{r['final_val_loss']:>12.4f}"
                      f"{r['loss_at_equal_time']:>20.4f}{r['wall_s']:>9.1f}{to_loss:>19}")
     if "fault" in result:
+        repeats = result.get("fault_repeats", 1)
         lines.append(f"\nfault row: replica 1 SIGKILLed in round {result['fault_round']}'s communication, "
-                     "started again at once (seed 0)")
+                     f"started again at once (seed 0; {'the mean of ' + str(repeats) + ' pairs' if repeats > 1 else 'one pair'})")
         lines.append(f"{'system':<12}{'clean wall s':>14}{'fault wall s':>14}{'lost s':>9}{'lost rounds':>13}"
                      f"{'final loss':>12}")
         for system, f in result["fault"].items():

@@ -88,6 +88,9 @@ class CoordinatorState:
         self.history: deque[ClosedRound] = deque(maxlen=HISTORY_ROUNDS)
         self.subscribers: dict[int, Subscription] = {}
         self.ready: set[int] = set()  # fetched the state or follow Rounds (this process)
+        # workers whose Rounds stream ended and that have not followed since: their process
+        # or connection is gone, so no round waits for them (liveness_s later they are dead)
+        self.stream_lost: set[int] = set()
         self.delivered_finish: set[int] = set()
         self.stopping = False
         self._params_lock = threading.Lock()
@@ -213,6 +216,7 @@ class CoordinatorState:
                 log.warning("worker %d follows the rounds again: no longer dead", worker)
             if not starting:
                 self.ready.add(worker)
+                self.stream_lost.discard(worker)
             self.lock.notify_all()
             backlog = [] if starting else [c for c in self.history if c.round >= from_round]
         try:
@@ -222,6 +226,12 @@ class CoordinatorState:
                 if self.subscribers.get(worker) is sub:
                     del self.subscribers[worker]
                     self.unfollowed_since[worker] = time.monotonic()
+                    over = self.stopping or bool(self.history and self.history[-1].finished)
+                    if not starting and not over and worker not in self.stream_lost:
+                        self.stream_lost.add(worker)
+                        log.info("worker %d's Rounds stream ended: rounds do not wait for it until it "
+                                 "follows them again", worker)
+                    self.lock.notify_all()
 
     def check_liveness(self) -> None:
         """Mark dead every worker without a Rounds stream for liveness_s; lock held."""
@@ -236,9 +246,12 @@ class CoordinatorState:
                 self.lock.notify_all()
 
     def _waiting_for(self) -> set[int]:
-        """The slots whose frame the open round still waits for: not in, not dead."""
+        """The slots whose frame the open round still waits for: not in, not dead, and not
+        without their Rounds stream since it ended (a killed or cut-off worker cannot push
+        before it has rejoined and followed again: a restarted one is starting, fetching the
+        state, and is waited for from its first real stream on)."""
         dead = {i for i, r in self.registry.records.items() if r.dead}
-        return set(range(self.registry.n)) - dead - set(self.rs.arrivals)
+        return set(range(self.registry.n)) - dead - self.stream_lost - set(self.rs.arrivals)
 
     def mark_finish_delivered(self, worker: int) -> None:
         with self.lock:

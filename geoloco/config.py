@@ -222,8 +222,9 @@ class CoordinatorConfig:
     join_timeout_s: float = 300.0  # how long round 0 waits for all workers to join
     checkpoint_every: int = 5  # rounds between checkpoints (0: only the final one)
     # a worker without a Rounds stream this long is dead (a starting worker holds one from
-    # its Join, so a slow start-up is not): rounds stop waiting for it, and a new worker
-    # with the token may take its slot (id, partitions); it is back if it follows again
+    # its Join, so a slow start-up is not), and a new worker with the token may take its
+    # slot (id, partitions); it is back if it follows again. Rounds stop waiting for a
+    # worker as soon as its Rounds stream ends, until it follows them again
     liveness_s: float = 60.0
     # rounds between validation losses, always measured after the broadcast; 0: only the
     # last round; None: for models under 20M parameters as often as keeps an evaluation

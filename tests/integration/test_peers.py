@@ -69,5 +69,8 @@ def test_the_fault_row_kills_and_restarts_a_replica_of_each_system(tmp_path: Pat
     for system, row in result["fault"].items():
         # the run went on past the kill and finished; what it cost is measured, not bounded here
         assert 0 < row["killed_at_s"] < row["fault_wall_s"], (system, row)
-        assert row["lost_s"] > 0 and row["final_val_loss"] < result[system]["curve_by_seed"][0][0][1], (system, row)
+        assert row["final_val_loss"] < result[system]["curve_by_seed"][0][0][1], (system, row)
+    # GeoLoCo's rounds stop waiting for the killed worker at once, so its loss is within the
+    # clean run's spread; torchft's survivors wait for the collective timeout
+    assert result["fault"]["torchft"]["lost_s"] > 0
     assert result["fault"]["torchft"]["replicas_agree"] is True  # healed onto its peers' parameters

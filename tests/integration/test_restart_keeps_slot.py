@@ -51,11 +51,16 @@ def test_a_restarted_worker_gets_its_slot_back_at_once(processes: Processes, tmp
     wait_until(lambda: len(metrics(run_dir)) >= 3, 180, "three rounds")
     victim = next(n for n, p in processes.procs.items() if p.pid == worker_reports(reports)[1]["pid"])
     state_dir = tmp_path / f"state-{victim[-1]}"
-    processes.kill(victim)
-    if restart == "slower":
-        wait_until(lambda: "worker 1 has had no Rounds stream" in processes.log("coordinator"), 60,
-                   "worker 1 to be marked dead")
-    start_worker("restarted", state_dir)
+    survivor = next(name for name in processes.procs if name.startswith("worker") and name != victim)
+    processes.kill(victim)  # its stream ends with it: rounds no longer wait for it
+    with processes.paused(survivor):  # the open round waits for it: no round closes
+        if restart == "slower":
+            wait_until(lambda: "worker 1 has had no Rounds stream" in processes.log("coordinator"), 60,
+                       "worker 1 to be marked dead")
+        start_worker("restarted", state_dir)
+        wait_until(lambda: processes.log("coordinator").count("worker 1 follows rounds") >= 2, 180,
+                   "the restarted worker to follow the rounds")
+    assert len(metrics(run_dir)) < ROUNDS
 
     assert processes.wait("coordinator", timeout=300) == 0, processes.log("coordinator")[-3000:]
     for name in processes.procs:
