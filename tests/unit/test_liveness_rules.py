@@ -1,6 +1,7 @@
 """Dead workers on the coordinator, pure parts: a worker without a Rounds stream for
 coordinator.liveness_s is marked dead, an open round then closes once every live worker is
-in ("live arrived"), and a new Join takes the dead slot with a new session."""
+in ("live arrived"), and a new Join takes the dead slot with a new session; a round stops
+waiting for a worker as soon as its Rounds stream ends, until it follows again."""
 
 from __future__ import annotations
 
@@ -73,3 +74,38 @@ def test_the_end_of_a_run_does_not_wait_for_a_worker_gone_liveness_s() -> None:
         threading.Thread(target=lambda: (state.wait_finish_delivered(600.0), done.set()), daemon=True).start()
         assert done.wait(60), "waited for a worker without a Rounds stream"
     assert registry.records[1].dead and not registry.records[0].dead
+
+
+def test_a_round_stops_waiting_for_a_worker_whose_stream_ended_until_it_follows_again() -> None:
+    registry = WorkerRegistry(3, "tok")
+    state = CoordinatorState(None, [], registry, RunTotals(), RoundState(0, 300.0), liveness_s=600.0)
+    for _ in range(3):
+        state.join("tok", "h", "cpu", None, "")
+    with state.lock:
+        state.rs.open()
+        arrive(state.rs, 1)
+    with state.follow(0, 0), state.follow(2, 0):
+        pass  # both streams end: the processes died, long before liveness_s
+    with state.lock:
+        assert state._waiting_for() == set() and not registry.records[0].dead
+    with state.follow(0, 0, starting=True), state.follow(2, 0):  # 0 restarted: still starting
+        with state.lock:
+            assert state._waiting_for() == {2}  # 2 follows again: waited for
+        older = state.follow(0, 0)  # 0's real stream replaces its starting one
+        older.__enter__()
+        with state.lock:
+            assert state._waiting_for() == {0, 2}
+        with state.follow(0, 0):  # a newer stream of its own, then the older one ends: no gap
+            older.__exit__(None, None, None)
+            with state.lock:
+                assert state._waiting_for() == {0, 2} and 0 not in state.stream_lost
+
+
+def test_the_end_of_the_run_does_not_count_as_a_lost_stream() -> None:
+    registry = WorkerRegistry(1, "tok")
+    state = CoordinatorState(None, [], registry, RunTotals(), RoundState(0, 300.0))
+    state.join("tok", "h", "cpu", None, "")
+    state.stopping = True
+    with state.follow(0, 0):
+        pass
+    assert state.stream_lost == set()
