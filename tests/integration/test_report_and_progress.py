@@ -146,12 +146,10 @@ def test_report_draws_every_run_and_writes_markdown(sparseloco_run, diloco_run, 
             # DPI) and its dotted train entry (about 12). A run's line spans only its own
             # share of the axes: on loss-vs-bytes (log x) each run's 3 points (cumulative
             # bytes, 1x to 3x) cover half a decade of the ~3 the two runs span; DiLoCo's drew
-            # 186 pixels once, SparseLoCo's 96 once (how many validation points a run has
-            # depends on its timing). Its legend is about 1.3 val entries: over 2 is a
-            # drawn line.
+            # 186 pixels once. Over 3 val legend entries is a drawn line.
             entry = _legend_entry_pixels(color, tmp_path / "legend.png")
             assert entry > 0, color  # the measure sees the colour
-            assert _pixels_of(out / plot, color) > 2 * entry, (plot, color, entry)
+            assert _pixels_of(out / plot, color) > 3 * entry, (plot, color, entry)
     text = (out / "report.md").read_text()
     assert "| sparseloco | sparseloco | 3 |" in text and "| diloco | diloco | 3 |" in text
     for p in pngs:
