@@ -30,7 +30,8 @@ def sparseloco_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]
     run_dir = tmp_path_factory.mktemp("runs") / "sparseloco"
     proc = subprocess.run(
         [sys.executable, "-m", "geoloco.cli", "local", "--workers", "2", "--rounds", str(ROUNDS),
-         "--wan", "1gbit/1ms", "--run-dir", str(run_dir), *set_flags(SMALL)],
+         "--wan", "1gbit/1ms", "--run-dir", str(run_dir),
+         *set_flags({**SMALL, "coordinator.val_every": "1"})],  # a loss point every round, whatever the timing
         capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, proc.stdout
@@ -44,7 +45,7 @@ def diloco_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "workers": 2, "rounds": ROUNDS, "run_dir": str(run_dir),
         "task": {"model": "gpt-tiny", "seq_len": 32, "batch_size": 8, "val_windows": 16, "corpus_bytes": 300_000},
         "inner": {"steps": 8, "warmup_steps": 4}, "compression": {"method": "diloco"},
-        "coordinator": {"listen": "127.0.0.1:0", "token": TOKEN, "checkpoint_every": 0}}))
+        "coordinator": {"listen": "127.0.0.1:0", "token": TOKEN, "checkpoint_every": 0, "val_every": 1}}))
     coordinator = geoloco.Coordinator(cfg)
     coordinator.start()
     workers = [geoloco.Worker(f"127.0.0.1:{coordinator.port}", TOKEN, device="cpu").start() for _ in range(2)]
