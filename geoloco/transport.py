@@ -23,7 +23,10 @@ PROTOCOL_VERSION = 2
 
 BACKOFF_START_S = 0.5  # first retry delay of Join; doubles up to BACKOFF_MAX_S
 BACKOFF_MAX_S = 10.0
-JOIN_CALL_TIMEOUT_S = 10.0  # one Join attempt; a dead address fails much faster
+# One Join attempt's deadline at first; a dead address fails much faster. An attempt that
+# runs out doubles the next one's (a slow link's round trips: TLS and HTTP/2 take several),
+# within what is left of the caller's timeout.
+JOIN_CALL_TIMEOUT_S = 10.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Join retries these too: every slot is taken (a new worker waits for one to be marked dead),
 # or the coordinator holds this caller to its share of Joins for a while
@@ -129,21 +132,24 @@ def caller_metadata(worker_id: int, session: str) -> tuple[tuple[str, str], ...]
     return ((WORKER_ID_KEY, str(worker_id)), (SESSION_KEY, session))
 
 
-def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeout_s: float,
+def join_with_backoff(address: str, join: Callable[[grpc.Channel, float], Reply], timeout_s: float,
                       sleep: Callable[[float], None] = time.sleep,
-                      security: ChannelSecurity | None = None) -> tuple[Reply, grpc.Channel]:
-    """Call ``join(channel)`` on a fresh channel to ``address`` until it answers, retrying
-    UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (no free slot yet) with
+                      security: ChannelSecurity | None = None,
+                      call_timeout_s: float = JOIN_CALL_TIMEOUT_S) -> tuple[Reply, grpc.Channel]:
+    """Call ``join(channel, deadline_s)`` on a fresh channel to ``address`` until it answers,
+    retrying UNAVAILABLE, DEADLINE_EXCEEDED and RESOURCE_EXHAUSTED (no free slot yet) with
     exponential backoff (BACKOFF_START_S doubling to BACKOFF_MAX_S, one log line per
-    attempt) for up to ``timeout_s``. Returns the reply and the open channel that got it.
-    Any other error raises JoinRefused; running out of time raises CoordinatorUnreachable,
-    or JoinRefused when the last answer was RESOURCE_EXHAUSTED."""
-    start, delay, attempt = time.monotonic(), BACKOFF_START_S, 0
+    attempt) for up to ``timeout_s``. The first attempt's deadline is ``call_timeout_s``;
+    each attempt that runs out of time doubles the next one's, up to what is left of
+    ``timeout_s``, so a link with seconds of round trip still joins. Returns the reply and
+    the open channel that got it. Any other error raises JoinRefused; running out of time
+    raises CoordinatorUnreachable, or JoinRefused when the last answer was RESOURCE_EXHAUSTED."""
+    start, delay, attempt, deadline_s = time.monotonic(), BACKOFF_START_S, 0, call_timeout_s
     while True:
         attempt += 1
         channel = open_channel(address, security)
         try:
-            return join(channel), channel
+            return join(channel, deadline_s), channel
         except grpc.RpcError as exc:
             channel.close()
             refused = JoinRefused(f"coordinator at {address} refused Join: "
@@ -154,13 +160,20 @@ def join_with_backoff(address: str, join: Callable[[grpc.Channel], Reply], timeo
             left = timeout_s - elapsed
             if left <= 0 and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise refused from None
+            timed_out = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             if left <= 0:
+                hint = (f"the last attempt got no answer in {deadline_s:.1f}s: on a link with "
+                        "seconds of round trip, raise worker.connect_timeout_s; otherwise check"
+                        if timed_out else "check")
                 raise CoordinatorUnreachable(
                     f"coordinator at {address} unreachable after {attempt} attempts in "
-                    f"{elapsed:.1f}s (timeout {timeout_s:g}s); check the address and that the "
+                    f"{elapsed:.1f}s (timeout {timeout_s:g}s); {hint} the address and that the "
                     "coordinator is running") from None
             wait = min(delay, left)
-            log.warning("join attempt %d to %s failed (%s: %s); retrying in %.1fs", attempt, address,
-                        exc.code().name, exc.details(), wait)
+            if timed_out:
+                deadline_s = max(call_timeout_s, min(2 * deadline_s, left - wait))
+            log.warning("join attempt %d to %s failed (%s: %s); retrying in %.1fs%s", attempt, address,
+                        exc.code().name, exc.details(), wait,
+                        f" with {deadline_s:.0f}s to answer" if timed_out else "")
             sleep(wait)
             delay = min(delay * 2, BACKOFF_MAX_S)

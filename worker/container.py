@@ -102,8 +102,8 @@ def join_coordinator(address: str, token: str, timeout_s: float = 120.0,
     request = pb.JoinRequest(token=token, protocol_version=transport.PROTOCOL_VERSION, capabilities=pb.Capabilities(
         device="pending", hostname=socket.gethostname(), version=_version(), threads=1))
 
-    def call(channel: grpc.Channel) -> pb.JoinReply:
-        return pb_grpc.CoordinatorStub(channel).Join(request, timeout=transport.JOIN_CALL_TIMEOUT_S)
+    def call(channel: grpc.Channel, deadline_s: float) -> pb.JoinReply:
+        return pb_grpc.CoordinatorStub(channel).Join(request, timeout=deadline_s)
 
     reply, channel = transport.join_with_backoff(address, call, timeout_s, security=security)
     channel.close()

@@ -93,8 +93,8 @@ class Session:
         if reclaiming:
             request.reclaim_worker_id, request.reclaim_session = self.worker_id, self.secret
 
-        def call(channel: grpc.Channel) -> pb.JoinReply:
-            return pb_grpc.CoordinatorStub(channel).Join(request, timeout=transport.JOIN_CALL_TIMEOUT_S)
+        def call(channel: grpc.Channel, deadline_s: float) -> pb.JoinReply:
+            return pb_grpc.CoordinatorStub(channel).Join(request, timeout=deadline_s)
 
         self.close()
         reply, self._channel = transport.join_with_backoff(self.address, call, self.connect_timeout_s,
