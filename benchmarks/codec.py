@@ -20,10 +20,13 @@ Timings are the median of several repeats after a warm-up (numba compilation exc
 The JSON line (last) sums over the workloads: bytes / params, fp32 bytes / total seconds.
 
 ``--apply`` times, side by side in one process (interleaved), what a round's n frames cost
-to apply once decoded, per frame: ``apply_frames`` over n frames (mean over keepers, and
-sum), the torch path it replaced (the reference's ``add_frames``: torch ``index_add_`` over
+to apply once checked, per frame: ``apply_frames`` over n frames (mean over keepers, and
+sum; a checked frame holds its bytes, and the kernel decodes its positions a slab at a
+time), the same over frames that hold their decoded positions (``fused held``,
+``decode_frame(keep_positions=True)``, 2 bytes a kept element: what a worker keeps), the
+torch path it replaced (the reference's ``add_frames``: torch ``index_add_`` over
 int64 indices), n one-frame ``decode_apply`` calls (validation included), and the
-worker's round (``decode_frame`` of each frame, then ``geoloco.replica.apply_round`` with
+worker's round (``decode_frame`` of each frame keeping its positions, then ``geoloco.replica.apply_round`` with
 ``mean_kept``). Target: ``apply_frames`` over n frames <= 1.5 x n x one ``decode_apply``.
 Then the latency of a tiny torch op (``ones_like`` and ``cat`` on 65 K floats) at this
 process's torch thread count, alone and while another thread decodes frames on the
@@ -173,15 +176,17 @@ def design_table(layout: Layout) -> list[tuple[str, str, int, float, float]]:
 def apply_ways(layout: Layout, params: list[torch.Tensor], datas: list[bytes]) -> dict:
     """The ways to apply these frames that ``--apply`` compares, as callables."""
     frames, weights = [decode_frame(d, layout) for d in datas], [1.0] * len(datas)
+    held = [decode_frame(d, layout, keep_positions=True) for d in datas]
     reference = registry.backend("reference")
     return {
-        "torch_mean_kept": lambda: reference.add_frames(layout, params, [f.body for f in frames], weights,
+        "torch_mean_kept": lambda: reference.add_frames(layout, params, [f.body for f in held], weights,
                                                         "mean_kept", -1e-3),
+        "fused_held": lambda: apply_frames(params, held, weights, mode="mean_kept", alpha=-1e-3),
         "fused_mean_kept": lambda: apply_frames(params, frames, weights, mode="mean_kept", alpha=-1e-3),
         "fused_sum": lambda: apply_frames(params, frames, weights, mode="sum", alpha=-1e-3),
         "decode_apply": lambda: [decode_apply(params, d, layout, weight=1.0, alpha=-1e-3) for d in datas],
-        "worker_round": lambda: apply_round(params, [decode_frame(d, layout) for d in datas], weights,
-                                            "mean_kept", -1e-3),
+        "worker_round": lambda: apply_round(params, [decode_frame(d, layout, keep_positions=True) for d in datas],
+                                            weights, "mean_kept", -1e-3),
     }
 
 
@@ -204,6 +209,7 @@ def apply_rows(layout: Layout, ns: tuple[int, ...], repeats: int) -> list[dict]:
         row["fused_vs_n_decode_apply"] = row["fused_mean_kept_ms"] / row["decode_apply_ms"]
         row["sum_vs_n_decode_apply"] = row["fused_sum_ms"] / row["decode_apply_ms"]
         row["torch_vs_fused"] = row["torch_mean_kept_ms"] / row["fused_mean_kept_ms"]
+        row["bytes_vs_held"] = row["fused_mean_kept_ms"] / row["fused_held_ms"]
         rows.append(row)
     return rows
 
@@ -245,12 +251,13 @@ def main_apply(quick: bool, repeats: int | None) -> None:
     print(f"several frames at once: {layout.numel:,} parameters, torch threads {torch.get_num_threads()}, "
           f"codec threads {codec_threads()} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
           "ms per frame, median of", repeats or (2 if quick else 5), "interleaved repeats")
-    print(f"{'n':>4}{'torch mean':>12}{'fused mean':>12}{'fused sum':>11}{'decode_apply':>14}{'worker round':>14}"
-          f"{'mean/n·d_a':>12}{'sum/n·d_a':>11}{'torch/fused':>13}")
+    print(f"{'n':>4}{'torch mean':>12}{'fused held':>12}{'fused mean':>12}{'fused sum':>11}{'decode_apply':>14}"
+          f"{'worker round':>14}{'mean/n·d_a':>12}{'sum/n·d_a':>11}{'torch/fused':>13}{'mean/held':>11}")
     for r in rows:
-        print(f"{r['n']:>4}{r['torch_mean_kept_ms']:>12.2f}{r['fused_mean_kept_ms']:>12.2f}{r['fused_sum_ms']:>11.2f}"
-              f"{r['decode_apply_ms']:>14.2f}{r['worker_round_ms']:>14.2f}{r['fused_vs_n_decode_apply']:>12.3f}"
-              f"{r['sum_vs_n_decode_apply']:>11.3f}{r['torch_vs_fused']:>13.1f}")
+        print(f"{r['n']:>4}{r['torch_mean_kept_ms']:>12.2f}{r['fused_held_ms']:>12.2f}{r['fused_mean_kept_ms']:>12.2f}"
+              f"{r['fused_sum_ms']:>11.2f}{r['decode_apply_ms']:>14.2f}{r['worker_round_ms']:>14.2f}"
+              f"{r['fused_vs_n_decode_apply']:>12.3f}{r['sum_vs_n_decode_apply']:>11.3f}{r['torch_vs_fused']:>13.1f}"
+              f"{r['bytes_vs_held']:>11.3f}")
     print(f"target: fused <= {APPLY_TARGET} x n x one decode_apply; tiny torch op (ones_like + cat, 65 K floats): "
           f"median {tiny[0]:.0f} us, largest {tiny[1]:.0f} us; first 20 ops of the process: median "
           f"{tiny_first[0]:.0f}, largest {tiny_first[1]:.0f} us; while another thread decodes frames: median "

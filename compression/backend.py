@@ -62,6 +62,10 @@ class SparseBody(Protocol):
         """Per tensor, the flat int64 indices (increasing within each chunk) and fp32 values."""
         ...
 
+    def kept_values(self) -> list[torch.Tensor]:
+        """Per tensor, the fp32 values of ``materialize``, without making the indices."""
+        ...
+
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         """``p = p + fp32(alpha) * fp32(fp32(weight) * v)`` for every kept (index, v), straight
         from the sections; False (nothing done) where the params do not allow it."""
@@ -95,11 +99,13 @@ class CodecBackend(Protocol):
         calls); ``bins``: the 4-bin quantizer (docs/codec.md)."""
         ...
 
-    def decode(self, sections: SparseSections, into: ApplyInto | None = None) -> SparseBody:
+    def decode(self, sections: SparseSections, into: ApplyInto | None = None,
+               keep_positions: bool = False) -> SparseBody:
         """Check the sections' contents, raising the FrameError of the first problem (the
         order of ``format``'s problem codes, segment by segment). With ``into`` (from this
         backend's ``start_apply``), also add the frame into its params, and leave them bit
-        for bit as they were when it raises, the checksum mismatch included."""
+        for bit as they were when it raises, the checksum mismatch included.
+        keep_positions: the body keeps what it decoded for a later apply (``decode_frame``)."""
         ...
 
     def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,

@@ -67,12 +67,12 @@ class Frame:
 
     def magnitudes(self) -> tuple[float, float]:
         """(L2 norm, largest absolute value) of the frame's values, summed in float64; a
-        sparse frame's values are decoded for it and not kept. Cached."""
+        sparse frame's values are decoded for it (without its indices) and not kept. Cached."""
         if self._magnitudes is None:
             if self.kind == "dense":
                 values = self.dense
             else:
-                values = self._values if self._values is not None else self.body.materialize()[1]
+                values = self._values if self._values is not None else self.body.kept_values()
             squares = sum(float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values)
             largest = max((max(float(v.max()), -float(v.min())) for v in values if v.numel()), default=0.0)
             self._magnitudes = (squares ** 0.5, largest)
@@ -93,13 +93,19 @@ class Frame:
         return f"Frame({self.kind}, round={self.round}, sender={self.sender}, {self.nbytes} bytes)"
 
 
-def decode_frame(data: bytes, layout: Layout, *, backend: str | None = None) -> Frame:
+def decode_frame(data: bytes, layout: Layout, *, backend: str | None = None, keep_positions: bool = False) -> Frame:
     """Check and decode a frame made for ``layout``; raises FrameError on any problem.
-    backend: the codec backend that checks sparse frames (default: numba where installed)."""
-    return read_frame(data, layout, registry.DECODER if backend is None else registry.backend(backend))
+    backend: the codec backend that checks sparse frames (default: numba where installed).
+    keep_positions: the frame keeps each kept element's decoded position (2 bytes a kept
+    element, 1.6 x a default frame's bytes), so that ``apply_frames`` need not decode them
+    again; without, it holds its bytes alone and is decoded once more when applied (the
+    numba backend; the reference's frames always hold their indices)."""
+    return read_frame(data, layout, registry.DECODER if backend is None else registry.backend(backend),
+                      keep_positions=keep_positions)
 
 
-def read_frame(data: bytes, layout: Layout, decoder: CodecBackend, into: ApplyInto | None = None) -> Frame:
+def read_frame(data: bytes, layout: Layout, decoder: CodecBackend, into: ApplyInto | None = None,
+               keep_positions: bool = False) -> Frame:
     """decode_frame with this decoder. With ``into`` (from its ``start_apply``), a sparse
     frame is added into the params while it is checked; the checksum is then checked
     beside the parsing (``into``), and a mismatch is the error raised once the header
@@ -126,7 +132,7 @@ def read_frame(data: bytes, layout: Layout, decoder: CodecBackend, into: ApplyIn
             params = {"tile": geo.tile, "k": geo.k_full, "table": table,
                       "index_coding": "fixed" if geo.fixed else "rice"}
             frame = Frame("sparse", head.round, head.sender, len(data), layout, params=params,
-                          body=decoder.decode(sections, into))
+                          body=decoder.decode(sections, into, keep_positions))
     except FrameError:
         if into is not None and not into.checksum_ok():
             raise FrameError(CRC_MISMATCH) from None

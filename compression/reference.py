@@ -304,6 +304,9 @@ class ReferenceBody:
     def materialize(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return self.indices, self.values
 
+    def kept_values(self) -> list[torch.Tensor]:
+        return self.values
+
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         return False  # apply_frames' own path gives these bits
 
@@ -541,8 +544,9 @@ class ReferenceBackend:
                 bins: bool = False) -> ReferenceEncoder:
         return ReferenceEncoder(grids, k_full, per_chunk, fixed, bins)
 
-    def decode(self, sections: SparseSections, into: ApplyInto | None = None) -> ReferenceBody:
-        return decode_sparse(sections)  # into is only ever this backend's start_apply's: None
+    def decode(self, sections: SparseSections, into: ApplyInto | None = None,
+               keep_positions: bool = False) -> ReferenceBody:
+        return decode_sparse(sections)  # into is only ever this backend's start_apply's: None; indices kept
 
     def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,
                     alpha: float) -> None:

@@ -159,7 +159,9 @@ class RoundsFollower:
                 result.last_byte_at.set_result(time.monotonic())  # before the last frame is handed over
             if not failed:
                 try:
-                    result.frames.put(decode_frame(frame_bytes, self.layout))
+                    # checked as its bytes arrive, keeping its positions: applying the round's
+                    # frames together then decodes none again (the worker's critical path)
+                    result.frames.put(decode_frame(frame_bytes, self.layout, keep_positions=True))
                 except ValueError as exc:  # FrameError: the codec names what is wrong
                     failed = True
                     result.frames.put(FrameError(f"frame from worker {info.sender}: {exc}"))

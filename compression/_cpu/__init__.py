@@ -42,13 +42,13 @@ class NumbaBackend:
             return ReferenceEncoder(grids, k_full, per_chunk, fixed, bins)
         return NumbaEncoder(grids, k_full, per_chunk, fixed)
 
-    def decode(self, sections: SparseSections,
-               into: decoder.ApplyTarget | None = None) -> decoder.NumbaBody | ReferenceBody:
+    def decode(self, sections: SparseSections, into: decoder.ApplyTarget | None = None,
+               keep_positions: bool = False) -> decoder.NumbaBody | ReferenceBody:
         if sections.geometry.bins:
             if into is not None:
                 raise ValueError("bins frames are not applied while decoding (start_apply returns None for them)")
             return decode_sparse(sections)
-        return decoder.decode(sections, into)
+        return decoder.decode(sections, into, keep_positions)
 
     def start_apply(self, data: bytes, layout: Layout, params: Sequence[torch.Tensor], weight: float,
                     alpha: float) -> decoder.ApplyTarget | None:

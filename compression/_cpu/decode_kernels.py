@@ -61,7 +61,7 @@ from .intrinsics import (
 INDEX_PAD = 16       # readable bytes after the index section, so 64-bit loads stay inside
 WINDOW = 56          # bits a load at any bit offset is sure to hold (64 - 7, rounded down)
 
-VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE = 0, 1, 2, 3, 4  # what the kernels do with each chunk
+VALIDATE, MATERIALIZE, APPLY, CHECK_APPLY, RESTORE, CHECK, VALUES, POSITIONS = range(8)  # what the kernels do
 
 
 class FrameArrays(NamedTuple):
@@ -86,6 +86,7 @@ class FrameArrays(NamedTuple):
     tab_off: np.ndarray    # first level pair of each tensor
     seg_start: np.ndarray  # per segment: tensor, chunk, first kept element, first code byte, full-size chunks
     positions: np.ndarray  # in-chunk position of every kept element (uint16), kept by VALIDATE
+                           # at seg_start[s, 2] + j: a slab's (``decoder.add_frames``) starts at 0
 
 
 class ApplyArrays(NamedTuple):
@@ -222,7 +223,11 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
 
     - VALIDATE: check everything, and keep each kept element's in-chunk position in
       ``positions`` (uint16), so that the other modes need not decode the indices again;
+    - CHECK: check everything like VALIDATE, keeping nothing (what a frame holds until it
+      is applied is its bytes);
+    - POSITIONS: VALIDATE of a checked frame, without the values (their codes were checked);
     - MATERIALIZE: write flat indices (per tensor; out_flat is int32 or int64) and values;
+    - VALUES: write the values alone, from the codes and the table (no positions needed);
     - APPLY: ``p_t[i] = p_t[i] + a * (w * v)`` in fp32 for every kept (i, v) of tensor t,
       whose fp32 data starts at address addrs[t] (``into``: ApplyArrays; the frame must
       have been validated).
@@ -269,6 +274,14 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
             k = kept_per_chunk(n, k_full, size)
             if mode == RESTORE and o + k > applied[s]:
                 break
+            if mode == VALUES:  # checked: a value is its code's level, wherever it sits
+                ti = tab_off[t] + (2 * c if per_chunk else 0)
+                _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, out_val, o)
+                o += k
+                cpos += code_bytes(k)
+                c += 1
+                done += 1
+                continue
             if mode in (MATERIALIZE, APPLY):  # validated: the positions are known
                 for j in range(k):
                     scratch_pos[j] = positions[o + j]
@@ -301,12 +314,13 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
             if status == OK and pos > limit:
                 status = INDEX_TRUNCATED
             ti = tab_off[t] + (2 * c if per_chunk else 0)
-            if status == OK and not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, scratch_val, 0):
+            if status == OK and mode != POSITIONS and not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1],
+                                                                        lv, scratch_val, 0):
                 status = CODE_PADDING
             if status != OK:
                 result[0], result[1], result[2], result[3] = status, t, c, s
                 return
-            if mode == VALIDATE:
+            if mode in (VALIDATE, POSITIONS):
                 for j in range(k):
                     positions[o + j] = scratch_pos[j]
             elif mode == CHECK_APPLY:  # ask for this chunk's lines, add in the previous chunk's
@@ -319,7 +333,7 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
                 scratch_pos, pend_pos = pend_pos, scratch_pos
                 scratch_val, pend_val = pend_val, scratch_val
                 pend_k, pend_base = k, addrs[t]
-            else:  # RESTORE: subtract this chunk's update again
+            elif mode == RESTORE:  # subtract this chunk's update again
                 _to_flat(c, scratch_pos, 0, k, rows, cols, tile, sh, row_tiles, col_tiles)
                 for j in range(k):
                     add_f32_at(addrs[t], scratch_pos[j], -(a * (w * scratch_val[j])))
@@ -336,7 +350,7 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
             for i in range(seg_start[s, 2], seg_start[s, 2] + n_log[s]):
                 store_f32_at(log_addr[i], 0, log_val[i])
             continue
-        if mode in (VALIDATE, CHECK_APPLY) and pos != end:
+        if mode in (VALIDATE, CHECK, POSITIONS, CHECK_APPLY) and pos != end:
             result[0], result[1], result[2], result[3] = SEGMENT_END, t, c, s
             return
     result[0] = OK
@@ -452,13 +466,13 @@ def _segment_rest(mode, fa, ap, work, s, outcome, end, dec, k, sh, problems):
         if i == done:  # the chunk whose indices failed
             break
         ti = tab_off[t] + (2 * c if per_chunk else 0)
-        if not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, vals, i * k):
+        if mode != POSITIONS and not _chunk_values(codes, cpos, k, levels[ti], levels[ti + 1], lv, vals, i * k):
             status = CODE_PADDING
             break
-        if mode == VALIDATE:
+        if mode in (VALIDATE, POSITIONS):
             for j in range(k):
                 positions[o + j] = dec[i * k + j]
-        else:  # the parameter's address of each kept element
+        elif mode == CHECK_APPLY:  # the parameter's address of each kept element
             for j in range(k):
                 where[i * k + j] = dec[i * k + j]
             _to_flat(c, where, i * k, k, grid[t, 0], grid[t, 1], tile, sh, grid[t, 2], grid[t, 3])
@@ -492,9 +506,9 @@ def _segment_rest(mode, fa, ap, work, s, outcome, end, dec, k, sh, problems):
 
 @njit(cache=True, nogil=True)
 def check_segments(mode, frame, shared, wait, into, problems):
-    """VALIDATE or CHECK_APPLY (see ``decode_segments``) over all segments of a frame, on as
-    many threads as call it: each takes the next two segments from shared[0] until none
-    are left, counting itself in shared[1] while it works; the call with wait set returns
+    """VALIDATE, CHECK or CHECK_APPLY (see ``decode_segments``) over the segments of a frame
+    from shared[0] on, on as many threads as call it: each takes the next two segments from
+    shared[0] until none are left, counting itself in shared[1] while it works; the call with wait set returns
     only when no thread is at work any more (spinning, not sleeping: a thread that joins
     late finds nothing left and is never waited for). Two segments of SEGMENT_CHUNKS full
     chunks (the usual case) have their indices decoded side by side first

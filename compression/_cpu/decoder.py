@@ -1,6 +1,8 @@
 """Runs the segment decoder (``decode_kernels``) over a sparse frame on the codec threads:
 check it, decode it, add it into fp32 CPU parameters, or check and add it in one pass and
 put everything back when it turns out bad (docs/codec.md, "Validate and apply in one pass").
+A checked frame holds its bytes, not its decoded positions: several frames are added at
+once from their bytes, a slab of segments at a time (docs/codec.md, "Several frames at once").
 """
 
 from __future__ import annotations
@@ -22,15 +24,18 @@ from ..format import (
     index_error,
     table_error,
 )
-from ..layout import FrameGeometry, Layout
+from ..layout import SEGMENT_CHUNKS, FrameGeometry, Layout
 from ..threads import codec_threads
 from .decode_kernels import (
     APPLY,
+    CHECK,
     CHECK_APPLY,
     INDEX_PAD,
     MATERIALIZE,
+    POSITIONS,
     RESTORE,
     VALIDATE,
+    VALUES,
     ApplyArrays,
     FrameArrays,
     check_segments,
@@ -45,22 +50,28 @@ from .threadpool import pieces, run_tasks, submit
 SEGMENTS_PER_TASK = 8  # decoding work handed to a thread at a time (8 x 64 chunks)
 SCATTER_PIECE = 1 << 16  # kept elements per task of add_at's scatter
 MERGE_CHUNKS = 256  # chunks per task of add_frames (1 M parameters at 64 x 64 tiles)
+# decoded positions add_frames holds at once, all frames together: the model is added a slab
+# of segments at a time, each frame's positions of the slab decoded from its bytes first
+SLAB_BYTES = 32 << 20
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_NO_POSITIONS = np.zeros(0, dtype=np.uint16)
 NO_APPLY = ApplyArrays(_EMPTY_I64, np.float32(1), np.float32(1), _EMPTY_I64, _EMPTY_F32, _EMPTY_I64, _EMPTY_I64)
 _NO_APPLY = tuple(NO_APPLY)  # as the kernels take it
 
 
 class NumbaBody:
-    """A checked sparse frame: its sections as the kernels read them."""
+    """A checked sparse frame: its sections as the kernels read them (views of its bytes).
+    Its decoded positions are made only for what needs them all at once (``materialize``,
+    a one-frame ``add_into``), and kept from then on."""
 
     def __init__(self, fa: FrameArrays, geometry: FrameGeometry) -> None:
         self.fa = fa
         self._fa = tuple(fa)  # as the kernels take it
         self.geometry = geometry
         self.kept = geometry.kept
-        self.ready = False  # VALIDATE has filled fa.positions (CHECK_APPLY does not)
+        self.ready = False  # fa.positions holds every kept element's position (VALIDATE)
 
     def materialize(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         flat = np.empty(self.kept, dtype=self.geometry.index_dtype)
@@ -71,6 +82,12 @@ class NumbaBody:
         return ([flat_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)],
                 [vals_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)])
 
+    def kept_values(self) -> list[torch.Tensor]:
+        vals = np.empty(self.kept, dtype=np.float32)
+        self._run(VALUES, out_val=vals)
+        vals_t, bounds = torch.from_numpy(vals), self.geometry.kept_off.tolist()
+        return [vals_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         addrs = cpu_addresses(self.geometry.layout, params)
         if addrs is None:
@@ -80,17 +97,33 @@ class NumbaBody:
         return True
 
     def positions(self) -> np.ndarray:
-        """The in-chunk position of every kept element (uint16), decoded once more where
-        the frame was checked while it was added (CHECK_APPLY keeps none)."""
-        if not self.ready and self.check(VALIDATE) is not None:
-            raise AssertionError("validating a checked frame failed")
+        """The in-chunk position of every kept element (uint16), decoded once more on first
+        use (a check keeps none) and kept."""
+        if not self.ready:
+            self.fa = self.fa._replace(positions=np.empty(self.kept, dtype=np.uint16))
+            self._fa = tuple(self.fa)
+            if self.check(VALIDATE) is not None:
+                raise AssertionError("validating a checked frame failed")
         return self.fa.positions
 
+    def slab_positions(self, s0: int, s1: int, out: np.ndarray) -> None:
+        """The in-chunk positions of segments [s0, s1)'s kept elements into ``out`` (uint16,
+        from the slab's first kept element), decoded from the bytes and checked again."""
+        geo = self.geometry
+        seg_start = geo.seg_start[:s1].copy()
+        seg_start[:, 2] -= geo.seg_start[s0, 2]
+        seg_start.setflags(write=False)  # the type the kernels were compiled for
+        fa = self.fa._replace(seg_start=seg_start, positions=out)
+        problems = np.zeros((s1, 4), dtype=np.int64)
+        check_segments(POSITIONS, tuple(fa), np.array([s0, 0], dtype=np.int64), False, _NO_APPLY, problems)
+        if (problems[s0:, 0] != OK).any():  # checked already, and bytes do not change
+            raise AssertionError(f"decoding a checked frame failed: {problems[s0:][problems[s0:, 0] != OK][0]}")
+
     def _run(self, mode: int, out_flat=_EMPTY_I64, out_val=_EMPTY_F32, ap: tuple = _NO_APPLY) -> None:
-        """MATERIALIZE, APPLY or RESTORE over all segments, in pieces on the codec threads
-        (ap: ApplyArrays as a tuple)."""
-        if mode != RESTORE and not self.ready and self.check(VALIDATE) is not None:  # checked by CHECK_APPLY
-            raise AssertionError("validating a checked frame failed")
+        """MATERIALIZE, APPLY, VALUES or RESTORE over all segments, in pieces on the codec
+        threads (ap: ApplyArrays as a tuple)."""
+        if mode in (MATERIALIZE, APPLY):
+            self.positions()
         ranges = pieces(len(self.fa.seg_start), SEGMENTS_PER_TASK) if len(self.fa.seg_start) else []
         results = np.zeros((len(ranges), 4), dtype=np.int64)
 
@@ -104,7 +137,7 @@ class NumbaBody:
             raise AssertionError(f"decoding a checked frame failed: {results}")
 
     def check(self, mode: int, ap: tuple = _NO_APPLY, helper: _Helper | None = None) -> tuple | None:
-        """VALIDATE or CHECK_APPLY: ``check_segments`` on this thread and on the pool's,
+        """VALIDATE, CHECK or CHECK_APPLY: ``check_segments`` on this thread and on the pool's,
         sharing out the segments; this thread's call returns once every segment is done,
         without waiting for a pool thread that had nothing left to do. helper: a waiting
         pool thread to take one thread's share; ap: ApplyArrays as a tuple. Returns the first segment's problem
@@ -191,13 +224,18 @@ class _Helper:
             self.flag[0] = self.STOP
 
 
-def decode(sections: SparseSections, into: ApplyTarget | None = None) -> NumbaBody:
+def decode(sections: SparseSections, into: ApplyTarget | None = None, keep_positions: bool = False) -> NumbaBody:
     """Check (and with ``into``, add in) a sparse frame; FrameError on the first problem,
-    with the params then as they were."""
+    with the params then as they were. keep_positions: the body keeps the decoded positions
+    (not with ``into``: that frame is applied)."""
     geo = sections.geometry
     body = NumbaBody(frame_arrays(sections), geo)
-    if into is None:
+    if into is None and keep_positions:
+        body.fa = body.fa._replace(positions=np.empty(geo.kept, dtype=np.uint16))
+        body._fa = tuple(body.fa)
         problem = body.check(VALIDATE)
+    elif into is None:
+        problem = body.check(CHECK)
     else:
         n_seg = len(geo.seg_start)
         ap = (into.addrs, into.w, into.a, *_log_buffers(geo.kept), np.zeros(n_seg, dtype=np.int64),
@@ -224,7 +262,7 @@ def frame_arrays(sections: SparseSections) -> FrameArrays:
         raise table_error(status, s, v, w)
     return FrameArrays(_index_buffer(sections), len(sections.index), offsets, np.frombuffer(sections.codes, np.uint8),
                        levels, geo.per_chunk, geo.fixed, geo.k_full, geo.tile, geo.grid, geo.n_chunks, geo.tab_off,
-                       geo.seg_start, np.empty(geo.kept, dtype=np.uint16))
+                       geo.seg_start, _NO_POSITIONS)
 
 
 def _index_buffer(sections: SparseSections) -> np.ndarray:
@@ -284,7 +322,11 @@ def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
                mode: str, alpha: float) -> bool:
     """``apply_frames`` of several sparse frames into fp32 contiguous CPU params in one pass
     (``merge_kernels.add_frames``); False (nothing done) where the params or frames do not
-    allow it: a body of another backend, or frames of other tiles, k or table modes."""
+    allow it: a body of another backend, or frames of other tiles, k or table modes.
+
+    The frames' positions are decoded from their bytes a slab of segments at a time
+    (SLAB_BYTES of positions for all frames together; a frame that keeps its positions
+    already is read from them), and the slab is added before the next one is decoded."""
     if not bodies or not all(isinstance(b, NumbaBody) for b in bodies):
         return False
     geo = bodies[0].geometry
@@ -296,18 +338,39 @@ def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
         return False
     if geo.kept == 0:
         return True
-    sources = np.array([[_address(b.positions()), _address(b.fa.codes), _address(b.fa.levels)] for b in bodies],
-                       dtype=np.int64)
+    sources = np.array([[0, _address(b.fa.codes), _address(b.fa.levels)] for b in bodies], dtype=np.int64)
     w, a = np.array(weights, dtype=np.float32), np.float32(alpha)
-    mean, chunks = mode == "mean_kept", geo.chunks
+    mean, chunks, seg_start = mode == "mean_kept", geo.chunks, geo.seg_start
+    n_seg = len(seg_start)
+    decoding = [f for f, b in enumerate(bodies) if not b.ready]
+    for f, b in enumerate(bodies):
+        if b.ready:
+            sources[f, 0] = _address(b.fa.positions)
+    seg_kept = int(np.diff(seg_start[:, 2], append=geo.kept).max())  # kept elements of a segment, at most
+    slab = max(1, SLAB_BYTES // (2 * seg_kept * len(decoding))) if decoding else n_seg
+    room = np.empty((len(decoding), min(slab, n_seg) * seg_kept), dtype=np.uint16)
 
-    def task(r0: int, r1: int):
+    def decode_task(i: int, f: int, s0: int, s1: int):
         def run() -> None:
-            merge_chunks(chunks, r0, r1, geo.tile, geo.per_chunk, geo.tab_off, geo.grid, sources, w, a, mean, addrs)
+            bodies[f].slab_positions(s0, s1, room[i])
         return run
 
-    with torch.no_grad():  # params and bodies stay alive (held here) while the kernel reads and writes
-        run_tasks([task(r0, r1) for r0, r1 in pieces(len(chunks), MERGE_CHUNKS)], codec_threads())
+    def merge_task(r0: int, r1: int, slab_sources: np.ndarray):
+        def run() -> None:
+            merge_chunks(chunks, r0, r1, geo.tile, geo.per_chunk, geo.tab_off, geo.grid, slab_sources, w, a, mean,
+                         addrs)
+        return run
+
+    with torch.no_grad():  # params and bodies stay alive (held here) while the kernels read and write
+        for s0 in range(0, n_seg, slab):
+            s1 = min(s0 + slab, n_seg)
+            slab_sources = sources.copy()
+            for i, f in enumerate(decoding):  # positions at kept element o are at room[i][o - first kept]
+                slab_sources[f, 0] = _address(room[i]) - 2 * int(seg_start[s0, 2])
+            run_tasks([decode_task(i, f, s0, s1) for i, f in enumerate(decoding)], codec_threads())
+            rows = (s0 * SEGMENT_CHUNKS, min(s1 * SEGMENT_CHUNKS, len(chunks)))
+            run_tasks([merge_task(rows[0] + r0, rows[0] + r1, slab_sources)
+                       for r0, r1 in pieces(rows[1] - rows[0], MERGE_CHUNKS)], codec_threads())
     return True
 
 

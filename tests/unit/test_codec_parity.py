@@ -138,6 +138,23 @@ def test_every_backend_decodes_the_same_indices_and_values_as_the_reference(back
 
 
 @pytest.mark.parametrize("backend", OTHERS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kept_values_are_the_decoded_values_without_the_indices(backend, case, reference_runs):
+    """What a frame's magnitudes (the coordinator's bounds) read: the values of
+    ``materialize``, made from the codes and the table alone (the numba body decodes no
+    positions for them)."""
+    layout = _layout(case[0])
+    frames, _ = _reference(reference_runs, case, *CODECS[0])
+    for data in frames:
+        want = decode_frame(data, layout, backend="reference")
+        got = decode_frame(data, layout, backend=backend)
+        for x, y in zip(got.body.kept_values(), want.values, strict=True):
+            assert x.dtype == y.dtype == torch.float32 and torch.equal(x, y)
+        assert got.magnitudes() == want.magnitudes()
+        assert not getattr(got.body, "ready", False)  # no positions were decoded
+
+
+@pytest.mark.parametrize("backend", OTHERS)
 @pytest.mark.parametrize("case", CASES[::3], ids=_case_id)
 def test_decode_apply_adds_the_same_bits(backend, case, reference_runs):
     layout = _layout(case[0])
@@ -174,6 +191,36 @@ def test_several_frames_at_once_add_the_same_bits(backend, mode, case, reference
     apply_frames(got, got_frames, weights, mode=mode, alpha=-0.3)  # the entry point takes the same path
     BACKENDS["reference"].add_frames(layout, want, [f.body for f in want_frames], weights, mode, -0.3)
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.skipif("numba" not in BACKENDS, reason="numba is not installed")
+@pytest.mark.parametrize("slab_segments", [1, 3, 8])
+@pytest.mark.parametrize("case", [CASES[2]], ids=_case_id)
+def test_several_frames_at_once_slab_by_slab(slab_segments, case, reference_runs, monkeypatch):
+    """A checked frame keeps no decoded positions: add_frames decodes them from the frame's
+    bytes a slab of segments at a time. With slabs of 1, 3 and 8 of the 73 segments (the
+    last slab shorter), and one frame that kept its positions when checked, the bits
+    are the reference's."""
+    from geoloco.compression._cpu import decoder
+
+    layout = _layout(case[0])
+    frames, _ = _reference(reference_runs, case, *CODECS[0])
+    got_frames = [decode_frame(d, layout, backend="numba", keep_positions=i == 1) for i, d in enumerate(frames)]
+    geo = got_frames[0].body.geometry
+    assert len(geo.seg_start) > 2 * slab_segments  # several slabs
+    assert [f.body.ready for f in got_frames] == [False, True, False]  # only the one asked to keeps positions
+    assert len(got_frames[1].body.fa.positions) == geo.kept and len(got_frames[0].body.fa.positions) == 0
+    seg_kept = int(np.diff(geo.seg_start[:, 2], append=geo.kept).max())
+    monkeypatch.setattr(decoder, "SLAB_BYTES", 2 * seg_kept * 2 * slab_segments)  # two frames decode
+    want_frames = [decode_frame(d, layout, backend="reference") for d in frames]
+    start = [values(s.shape, "normal", 97) for s in layout.specs]
+    weights = [0.5 + r for r in range(len(frames))]
+    for mode in ("sum", "mean_kept"):
+        want, got = [p.clone() for p in start], [p.clone() for p in start]
+        assert BACKENDS["reference"].add_frames(layout, want, [f.body for f in want_frames], weights, mode, -0.3)
+        assert BACKENDS["numba"].add_frames(layout, got, [f.body for f in got_frames], weights, mode, -0.3)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, want, strict=True))
+    assert [f.body.ready for f in got_frames] == [False, True, False]  # the slabs kept nothing
 
 
 @pytest.mark.parametrize("backend", OTHERS)
