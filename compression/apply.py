@@ -11,7 +11,7 @@ and ``apply_frames`` sets ``p = cast(fp32(p) + fp32(alpha) * U)`` once per coord
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -70,9 +70,11 @@ def aggregate(layout: Layout, frames: Sequence[Frame], weights=None, *, mode: st
 
 
 def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weights=None, *,
-                 mode: str = "sum", alpha: float = 1.0) -> None:
+                 mode: str = "sum", alpha: float = 1.0, on_final: Callable[[int], None] | None = None) -> None:
     """params[j] += alpha * U[j] in place; for sparse frames the cost is proportional to the
-    kept elements. Params may be fp32, bf16 or fp16 tensors on any device."""
+    kept elements. Params may be fp32, bf16 or fp16 tensors on any device. ``on_final(j)``:
+    called as the first j params come to hold their new values, where the backend applies
+    the frames in parts (the numba backend's slabs); the caller says when all are."""
     frames = list(frames)
     if not frames:
         return
@@ -88,7 +90,7 @@ def apply_frames(params: Sequence[torch.Tensor], frames: Sequence[Frame], weight
         _apply_dense(layout, params, frames, weights, mode, alpha)
         return
     bodies = [f.body for f in frames]
-    if not registry.DECODER.add_frames(layout, params, bodies, weights, mode, alpha):
+    if not registry.DECODER.add_frames(layout, params, bodies, weights, mode, alpha, on_final):
         registry.backend("reference").add_frames(layout, params, bodies, weights, mode, alpha)
 
 

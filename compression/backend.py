@@ -10,7 +10,7 @@ and errors from every one of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -115,11 +115,12 @@ class CodecBackend(Protocol):
         ...
 
     def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence[SparseBody],
-                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+                   weights: Sequence[float], mode: str, alpha: float,
+                   on_final: Callable[[int], None] | None = None) -> bool:
         """``params += alpha * U`` for these sparse frames' bodies (``mode`` "sum" or
         "mean_kept"), with the arithmetic of docs/codec.md ("Several frames at once");
         False (nothing done) where this backend cannot for these params or bodies (the
-        reference always can)."""
+        reference always can). ``on_final(j)``: the first j params are done (optional)."""
         ...
 
     def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

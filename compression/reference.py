@@ -553,7 +553,7 @@ class ReferenceBackend:
         return None
 
     def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
-                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+                   weights: Sequence[float], mode: str, alpha: float, on_final=None) -> bool:
         add_frames(layout, params, bodies, weights, mode, alpha)
         return True
 

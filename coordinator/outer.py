@@ -7,6 +7,7 @@ as the workers send theirs)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +53,11 @@ class Update:
         return bool(self.sources)
 
 
-def apply_update(params: list[Tensor], update: Update) -> None:
+def apply_update(params: list[Tensor], update: Update, on_final: Callable[[int], None] | None = None) -> None:
     """The very call the workers make (``geoloco.replica.apply_round``), so the coordinator's
-    parameters match theirs bit for bit."""
+    parameters match theirs bit for bit; ``on_final``: apply_round's."""
     apply_round(params, [f.frame for f in update.frames], [f.weight for f in update.frames],
-                update.mode, update.alpha)
+                update.mode, update.alpha, on_final)
 
 
 def mean_weights(decision: Decision, aggregation: str) -> tuple[list[float], str]:

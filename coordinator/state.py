@@ -25,7 +25,7 @@ from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
 from geoloco.coordinator.roundlog import FrameSpool
 from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, RoundError, RoundState
-from geoloco.replica import param_digest
+from geoloco.replica import DigestAsApplied, param_digest
 from geoloco.run_dir import write_atomic
 
 log = logging.getLogger(__name__)
@@ -321,16 +321,19 @@ class CoordinatorState:
 
     def apply(self, update: Update, closed: ClosedRound, phases: ClosePhases | None = None) -> None:
         """The outer step on the parameters; the digest it sets is what the Rounds streams
-        send after the frames (an error ends them instead). ``phases`` times both."""
+        send after the frames (an error ends them instead). ``phases`` times both; the
+        digest hashes each tensor as soon as the apply has finished with it."""
+        digest = DigestAsApplied(self.params)
         try:
             with torch.no_grad():
-                apply_update(self.params, update)
+                apply_update(self.params, update, on_final=digest.final)
             if phases is not None:
                 phases.end("apply")
-            closed.digest.set_result(self.digest())
+            closed.digest.set_result(digest.result())
             if phases is not None:
                 phases.end("digest")
         except BaseException as exc:
+            digest.cancel()
             closed.digest.set_exception(exc)
             raise
 

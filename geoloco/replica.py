@@ -7,7 +7,8 @@ afterwards (docs/protocol.md).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -52,13 +53,14 @@ def replica_layout(model: nn.Module) -> Layout:
 
 
 def apply_round(params: Sequence[Tensor], frames: Iterable[Frame], weights: Sequence[float],
-                mode: str, alpha: float) -> None:
+                mode: str, alpha: float, on_final: Callable[[int], None] | None = None) -> None:
     """``params += alpha · U`` for one round's frames, with the same arithmetic on every
     replica. With mode ``sum`` each frame is applied on its own, in order
     (``p = p + alpha · w_i · v_i``), so a worker can apply a frame as soon as it has
     arrived and need not hold the round's frames together; ``frames`` may be a generator
     that waits for them. ``mean_kept`` divides each coordinate by how many frames kept it,
-    so its frames are gathered and applied together."""
+    so its frames are gathered and applied together. ``on_final(j)``: the first j params
+    hold their new values (``apply_frames``; called at least once, at the end)."""
     weights = [float(w) for w in weights]
     if mode in INCREMENTAL_MODES:
         count = 0
@@ -69,12 +71,14 @@ def apply_round(params: Sequence[Tensor], frames: Iterable[Frame], weights: Sequ
             count += 1
         if count != len(weights):
             raise ValueError(f"{count} frames for {len(weights)} weights")
-        return
-    gathered = list(frames)
-    if gathered:
-        apply_frames(params, gathered, weights, mode=mode, alpha=alpha)
-    elif weights:
-        raise ValueError(f"0 frames for {len(weights)} weights")
+    else:
+        gathered = list(frames)
+        if gathered:
+            apply_frames(params, gathered, weights, mode=mode, alpha=alpha, on_final=on_final)
+        elif weights:
+            raise ValueError(f"0 frames for {len(weights)} weights")
+    if on_final is not None:
+        on_final(len(params))
 
 
 def param_digest(tensors: Sequence[Tensor]) -> str:
@@ -83,10 +87,64 @@ def param_digest(tensors: Sequence[Tensor]) -> str:
     the digest; the device a tensor sits on does not."""
     h = hashlib.sha256(f"geoloco-params/{len(tensors)}\n".encode())
     for i, t in enumerate(tensors):
-        t = t.detach()
-        h.update(f"{i}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode())
-        h.update(_raw_bytes(t))
+        _hash_tensor(h, i, t)
     return h.hexdigest()
+
+
+def _hash_tensor(h, i: int, t: Tensor) -> None:
+    t = t.detach()
+    h.update(f"{i}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode())
+    h.update(_raw_bytes(t))
+
+
+class DigestAsApplied:
+    """``param_digest(tensors)`` hashed on a thread of its own while an apply runs: ``final(j)``
+    says the first j tensors hold their new values (``apply_round``'s ``on_final``), and the
+    thread hashes up to there (sha256 releases the GIL, so it takes the core the apply's
+    kernels leave). ``result()`` waits for the rest; ``cancel()`` stops it (an apply that
+    failed)."""
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors = list(tensors)
+        self._hash = hashlib.sha256(f"geoloco-params/{len(self.tensors)}\n".encode())
+        self._final, self._cancelled = 0, False
+        self._changed = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="digest", daemon=True)
+        self._thread.start()
+
+    def final(self, count: int) -> None:
+        with self._changed:
+            self._final = max(self._final, min(count, len(self.tensors)))
+            self._changed.notify()
+
+    def cancel(self) -> None:
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify()
+        self._thread.join()
+
+    def result(self) -> str:
+        self.final(len(self.tensors))
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._hash.hexdigest()
+
+    def _run(self) -> None:
+        done = 0
+        try:
+            while done < len(self.tensors):
+                with self._changed:
+                    self._changed.wait_for(lambda done=done: self._cancelled or self._final > done)
+                    if self._cancelled:
+                        return
+                    upto = self._final
+                for i in range(done, upto):
+                    _hash_tensor(self._hash, i, self.tensors[i])
+                done = upto
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            self._error = exc
 
 
 def _raw_bytes(t: Tensor) -> memoryview:

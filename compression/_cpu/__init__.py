@@ -58,10 +58,10 @@ class NumbaBackend:
         return None if addrs is None else decoder.ApplyTarget(data, addrs, weight, alpha)
 
     def add_frames(self, layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence[SparseBody],
-                   weights: Sequence[float], mode: str, alpha: float) -> bool:
+                   weights: Sequence[float], mode: str, alpha: float, on_final=None) -> bool:
         if len(bodies) == 1:
             return bodies[0].add_into(params, weights[0], alpha)
-        return decoder.add_frames(layout, params, bodies, weights, mode, alpha)
+        return decoder.add_frames(layout, params, bodies, weights, mode, alpha, on_final)
 
     def add_at(self, updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         decoder.add_at(updates)

@@ -8,7 +8,7 @@ once from their bytes, a slab of segments at a time (docs/codec.md, "Several fra
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from ..format import (
     index_error,
     table_error,
 )
-from ..layout import SEGMENT_CHUNKS, FrameGeometry, Layout
+from ..layout import SEGMENT_CHUNKS, TENSOR, FrameGeometry, Layout
 from ..threads import codec_threads
 from .decode_kernels import (
     APPLY,
@@ -319,14 +319,15 @@ def add_at(updates: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -
 
 
 def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence, weights: Sequence[float],
-               mode: str, alpha: float) -> bool:
+               mode: str, alpha: float, on_final: Callable[[int], None] | None = None) -> bool:
     """``apply_frames`` of several sparse frames into fp32 contiguous CPU params in one pass
     (``merge_kernels.add_frames``); False (nothing done) where the params or frames do not
     allow it: a body of another backend, or frames of other tiles, k or table modes.
 
     The frames' positions are decoded from their bytes a slab of segments at a time
     (SLAB_BYTES of positions for all frames together; a frame that keeps its positions
-    already is read from them), and the slab is added before the next one is decoded."""
+    already is read from them), and the slab is added before the next one is decoded; then
+    ``on_final(j)`` says the first j params are done (frame order is tensor order)."""
     if not bodies or not all(isinstance(b, NumbaBody) for b in bodies):
         return False
     geo = bodies[0].geometry
@@ -371,6 +372,8 @@ def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
             rows = (s0 * SEGMENT_CHUNKS, min(s1 * SEGMENT_CHUNKS, len(chunks)))
             run_tasks([merge_task(rows[0] + r0, rows[0] + r1, slab_sources)
                        for r0, r1 in pieces(rows[1] - rows[0], MERGE_CHUNKS)], codec_threads())
+            if on_final is not None and rows[1] < len(chunks):
+                on_final(int(chunks[rows[1], TENSOR]))  # the tensors before the next chunk's
     return True
 
 
