@@ -10,7 +10,9 @@ and `ip netns`, and torchft (`pip install torchft==0.2.0`, a benchmark-only extr
     sudo python -m benchmarks.peers --seeds 1 --rounds 6 # a quicker look
     sudo python -m benchmarks.peers --wan 50mbit,20mbit,10mbit,5mbit   # heterogeneous links
 
-Systems: torchft's DiLoCo (fp32, bucketized, ``init_sync=False``), GeoLoCo's dense DiLoCo,
+Systems: torchft's DiLoCo (fp32, bucketized, ``init_sync=False``), the same with bf16
+pseudo-gradients on the wire (``torchft-bf16``: the harness's, benchmarks/torchft_replica.py
+``bf16_wire``, since torchft 0.2.0 has none), GeoLoCo's dense DiLoCo,
 SparseLoCo at its defaults, SparseLoCo with ``pgc-fr`` (s = 1) and with ``outer.overlap =
 eager``. Outer learning rates are the loss issue's tuned ones (benchmarks/parity_tuned.json:
 dense DiLoCo's for torchft and GeoLoCo alike).
@@ -25,8 +27,9 @@ curves (``--plot``), then one JSON line with ``speedup_vs_torchft`` (torchft's r
 GeoLoCo SparseLoCo's), ``time_to_loss_ratio_vs_torchft``, ``bytes_ratio_vs_torchft`` and
 ``loss_ratio_vs_torchft`` (SparseLoCo over torchft, mean over seeds). What differs between
 the systems: torchft all-reduces over a ring, GeoLoCo sends to a coordinator that
-broadcasts (a star); Gloo reduces in fp32 as GeoLoCo's dense frames here do (torchft 0.2.0
-has no bf16 pseudo-gradients: its ``should_quantize`` is fp8 through Triton, on CUDA);
+broadcasts (a star); Gloo reduces in fp32 as GeoLoCo's dense frames here do, and in bf16
+for ``torchft-bf16`` (rounding at every hop of the ring; torchft 0.2.0's own
+``should_quantize`` is fp8 through Triton, on CUDA);
 without netem in the kernel the links have rates but no added delay (the JSON says which),
 the same for both; GeoLoCo's coordinator measures the validation loss after it has sent the
 round out, torchft's replica 0 before its next inner phase. At the same settings GeoLoCo's
@@ -71,7 +74,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from netns import TestBed, unavailable  # noqa: E402 - the test bed lives with the tests
 
 TOKEN = "peers-benchmark"
-SYSTEMS = ("torchft", "diloco", "sparseloco", "pgc-fr", "eager")
+SYSTEMS = ("torchft", "torchft-bf16", "diloco", "sparseloco", "pgc-fr", "eager")
+TORCHFT = {"torchft": "fp32", "torchft-bf16": "bf16"}  # torchft's systems -> the pseudo-gradients' wire dtype
 GEOLOCO = {  # system -> its compression method and settings besides the task's
     "diloco": ("diloco", {}),
     "sparseloco": ("sparseloco", {}),
@@ -320,9 +324,10 @@ def curve(sampler: ByteSampler, opened: float, initial: float, points: list[tupl
 
 
 def run_torchft(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Namespace,
-                fault: Fault | None = None, state: bool = False) -> dict[str, Any]:
+                fault: Fault | None = None, state: bool = False, wire_dtype: str = "fp32") -> dict[str, Any]:
     """One torchft run (``state`` is GeoLoCo's: torchft heals a restarted replica from its
-    peers); ``fault``: the fault row's run, replica 0's figures, whether the replicas agree."""
+    peers); ``fault``: the fault row's run, replica 0's figures, whether the replicas agree;
+    ``wire_dtype``: the pseudo-gradients' on the wire."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                GLOO_SOCKET_IFNAME="eth0")
     (workdir / "run.json").write_text(cfg.to_json())
@@ -338,6 +343,7 @@ def run_torchft(bed: TestBed, cfg: RunConfig, workdir: Path, args: argparse.Name
                     sys.executable, "-m", "benchmarks.torchft_replica", "--config", str(workdir / "run.json"),
                     "--replica", str(i), "--lighthouse", url, "--host", bed.address(host),
                     "--val-every", str(args.val_every), "--timeout-s", str(args.torchft_timeout_s),
+                    "--wire-dtype", wire_dtype,
                     "--out", str(workdir / f"replica-{i}.json")], stdout=out, stderr=subprocess.STDOUT,
                     env=env, cwd=ROOT)
 
@@ -395,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                 workdir = root / f"{system}-seed{seed}"
                 workdir.mkdir(parents=True, exist_ok=True)
                 cfg = config(args, system, seed, workdir / "run")
-                run = run_torchft if system == "torchft" else run_geoloco
-                runs[system].append(run(bed, cfg, workdir, args))
+                if system in TORCHFT:
+                    runs[system].append(run_torchft(bed, cfg, workdir, args, wire_dtype=TORCHFT[system]))
+                else:
+                    runs[system].append(run_geoloco(bed, cfg, workdir, args))
                 load.append(os.getloadavg()[0])
                 brief = {k: v for k, v in runs[system][-1].items() if k != "curve"}
                 print(f"seed {seed} {system}: {brief}", file=sys.stderr, flush=True)
@@ -487,6 +495,11 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         result["time_to_loss_ratio_vs_torchft"] = (None if any(a is None for a, _ in pairs) else
                                                    round(statistics.mean(a / b for a, b in pairs), 4))
         result["dense_transfer_over_compute"] = round(t["communication_s"] / t["compute_s"], 2)
+    if "torchft-bf16" in result and "sparseloco" in result:
+        t, s = result["torchft-bf16"], result["sparseloco"]
+        result["speedup_vs_torchft_bf16"] = round(t["round_s"] / s["round_s"], 3)
+        result["bytes_ratio_vs_torchft_bf16"] = round(s["wire_bytes_per_replica_round"]
+                                                      / t["wire_bytes_per_replica_round"], 5)
     if "torchft" in result and "diloco" in result:
         result["diloco_vs_torchft"] = [round(a["final_val_loss"] / b["final_val_loss"], 6)
                                        for a, b in zip(runs["diloco"], runs["torchft"], strict=True)]
@@ -541,24 +554,24 @@ def draw(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> bool:
 
 
 def table(result: dict[str, Any], systems: list[str]) -> str:
-    lines = [f"{'system':<12}{'round s':>9}{'compute s':>11}{'comm s':>9}{'wire B/replica/round':>22}"
+    lines = [f"{'system':<14}{'round s':>9}{'compute s':>11}{'comm s':>9}{'wire B/replica/round':>22}"
              f"{'final loss':>12}{'loss at equal time':>20}{'wall s':>9}{'s to torchft loss':>19}"]
     for system in systems:
         r = result[system]
         reached = r.get("time_to_torchft_loss_s", [])
         to_loss = ("-" if not reached else "not reached" if None in reached
                    else f"{statistics.mean(reached):.1f}")
-        lines.append(f"{system:<12}{r['round_s']:>9.3f}{r['compute_s']:>11.3f}{r['communication_s']:>9.3f}"
+        lines.append(f"{system:<14}{r['round_s']:>9.3f}{r['compute_s']:>11.3f}{r['communication_s']:>9.3f}"
                      f"{r['wire_bytes_per_replica_round']:>22,.0f}{r['final_val_loss']:>12.4f}"
                      f"{r['loss_at_equal_time']:>20.4f}{r['wall_s']:>9.1f}{to_loss:>19}")
     if "fault" in result:
         repeats = result.get("fault_repeats", 1)
         lines.append(f"\nfault row: replica 1 SIGKILLed in round {result['fault_round']}'s communication, "
                      f"started again at once (seed 0; {'the mean of ' + str(repeats) + ' pairs' if repeats > 1 else 'one pair'})")
-        lines.append(f"{'system':<12}{'clean wall s':>14}{'fault wall s':>14}{'lost s':>9}{'lost rounds':>13}"
+        lines.append(f"{'system':<14}{'clean wall s':>14}{'fault wall s':>14}{'lost s':>9}{'lost rounds':>13}"
                      f"{'final loss':>12}")
         for system, f in result["fault"].items():
-            lines.append(f"{system:<12}{f['clean_wall_s']:>14.1f}{f['fault_wall_s']:>14.1f}{f['lost_s']:>9.1f}"
+            lines.append(f"{system:<14}{f['clean_wall_s']:>14.1f}{f['fault_wall_s']:>14.1f}{f['lost_s']:>9.1f}"
                          f"{f['lost_rounds']:>13.2f}{f['final_val_loss']:>12.4f}")
     return "\n".join(lines)
 

@@ -2,7 +2,8 @@
 data partition, H, inner AdamW with its warm-up and cosine schedule, gradient clipping and
 tokens as a GeoLoCo worker of the same run config, with torchft's ``local_sgd.DiLoCo``
 (an all-reduce of the fp32 pseudo-gradients over Gloo, then Nesterov SGD) for the outer
-step. torchft is a benchmark-only extra (``pip install torchft==0.2.0``; docs/decisions.md).
+step; ``--wire-dtype bf16`` all-reduces them in bf16 instead (``bf16_wire``: torchft 0.2.0
+has no such option). torchft is a benchmark-only extra (``pip install torchft==0.2.0``; docs/decisions.md).
 
     python -m benchmarks.torchft_replica --config run.json --replica I --lighthouse URL \\
         --host ADDR --out replica-I.json
@@ -51,6 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=600.0,
                    help="torchft's connect and collective timeouts (the quorum's is 3x): size them to the "
                    "slowest link")
+    p.add_argument("--wire-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the pseudo-gradients' dtype on the wire (bf16: rounded, summed by Gloo in bf16)")
     p.add_argument("--val-every", type=int, default=0,
                    help="replica 0 measures the validation loss after every K-th round (0: at the end only)")
     p.add_argument("--out", type=Path, required=True)
@@ -75,6 +78,28 @@ def host_transport(host: str, timeout: timedelta):
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     return HostTransport(timeout=timeout, num_chunks=0)
+
+
+def bf16_wire(pg_class: type) -> type:
+    """``pg_class`` (torchft's ProcessGroupGloo) all-reducing fp32 tensors as bf16: each is
+    rounded to bf16, all-reduced (Gloo's ring sums in bf16, rounding at every hop), waited
+    for and copied back as fp32, and a completed Work is returned, so DiLoCo's averaging and
+    outer step see fp32 tensors as before. torchft 0.2.0's own ``should_quantize`` is an fp8
+    all-reduce through Triton, on CUDA only. Waiting inside the call costs no overlap here:
+    DiLoCo's bucket of gpt-tiny is one, and a Gloo group runs its collectives in order."""
+    from torchft.work import _DummyWork
+
+    class Bf16Wire(pg_class):
+        def allreduce(self, tensors, opts):  # noqa: ANN001, ANN202 - torch's signature
+            if not all(t.dtype == torch.float32 for t in tensors):
+                return super().allreduce(tensors, opts)
+            wire = [t.to(torch.bfloat16) for t in tensors]
+            super().allreduce(wire, opts).wait()  # raises on a failed peer, as the manager expects
+            for t, w in zip(tensors, wire, strict=True):
+                t.copy_(w)
+            return _DummyWork(tensors)
+
+    return Bf16Wire
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["inner"])
 
+    pg_class = bf16_wire(ProcessGroupGloo) if args.wire_dtype == "bf16" else ProcessGroupGloo
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        pg=pg_class(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=cfg.workers, use_async_quorum=False, rank=0, world_size=1,
         store_addr=args.host, store_port=port, lighthouse_addr=args.lighthouse,
         replica_id=f"replica-{args.replica}", hostname=args.host, init_sync=False,

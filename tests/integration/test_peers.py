@@ -38,18 +38,26 @@ def peers(tmp_path: Path, *args: str) -> dict:
 
 
 def test_torchft_and_geoloco_dense_diloco_agree_on_the_test_bed(tmp_path: Path) -> None:
-    result = peers(tmp_path, "--systems", "torchft,diloco,sparseloco", "--fault-round", "-1")
+    result = peers(tmp_path, "--systems", "torchft,torchft-bf16,diloco,sparseloco", "--fault-round", "-1")
     assert "fault" not in result
     # one algorithm, one model: fp32 sums in another order (ring against star) at most
     assert result["diloco_vs_torchft"] == pytest.approx([1.0], abs=1e-4)
     dense = result["diloco"]["wire_bytes_per_replica_round"]
     assert result["torchft"]["wire_bytes_per_replica_round"] == pytest.approx(dense, rel=0.1)
+    # bf16 on the wire: half the bytes, and the same training but for its rounding
+    fp32, bf16 = result["torchft"], result["torchft-bf16"]
+    assert bf16["wire_bytes_per_replica_round"] == pytest.approx(fp32["wire_bytes_per_replica_round"] / 2, rel=0.15)
+    assert bf16["final_val_loss"] == pytest.approx(fp32["final_val_loss"], rel=0.02)
+    digests = [json.loads((tmp_path / f"{system}-seed0" / "replica-0.json").read_text())["digest"]
+               for system in ("torchft", "torchft-bf16")]
+    assert digests[0] != digests[1]  # it did round
+    assert result["speedup_vs_torchft_bf16"] > 0 and result["bytes_ratio_vs_torchft_bf16"] < 0.1
     assert result["bytes_ratio_vs_torchft"] < 0.05  # sparse frames against the dense all-reduce
     for key in ("speedup_vs_torchft", "loss_ratio_vs_torchft", "dense_transfer_over_compute"):
         assert result[key] > 0
     assert "time_to_loss_ratio_vs_torchft" in result
     initial = result["torchft"]["curve_by_seed"][0][0]
-    for system in ("torchft", "diloco", "sparseloco"):
+    for system in ("torchft", "torchft-bf16", "diloco", "sparseloco"):
         r = result[system]
         [curve] = r["curve_by_seed"]
         assert curve[0] == [0.0, pytest.approx(initial[1], abs=1e-5), 0.0], (system, curve)
