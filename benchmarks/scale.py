@@ -124,11 +124,12 @@ def serve(n: int, run_dir: Path, quick: bool) -> int:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set since it started (VmHWM: reset at exec, unlike
-    getrusage's maximum, which a forked child inherits from its parent)."""
+    """This process's peak resident set since it started, in MB of 10^6 bytes like every
+    other figure here (VmHWM, in KiB: reset at exec, unlike getrusage's maximum, which a
+    forked child inherits from its parent)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+            return int(line.split()[1]) * 1024 / 1e6
     return float("nan")
 
 

@@ -9,7 +9,7 @@ the self-describing frame format (Sarfi et al. 2025, arXiv 2508.15706). See docs
     compressor.py  Compressor: the error-feedback state
     frame.py       Frame, decode_frame, encode_dense
     apply.py       aggregate, apply_frames, decode_apply
-    memory.py      on_huge_pages, cap_malloc_arenas
+    memory.py      on_huge_pages, cap_malloc_arenas, map_large_allocations
     threads.py     codec_threads, set_codec_threads: the kernels' thread count
 """
 
@@ -18,7 +18,7 @@ from .compressor import Compressor
 from .format import MAX_TILE, FrameError
 from .frame import Frame, decode_frame, encode_dense
 from .layout import Layout, TensorSpec
-from .memory import cap_malloc_arenas, on_huge_pages
+from .memory import cap_malloc_arenas, map_large_allocations, on_huge_pages
 from .threads import codec_threads, set_codec_threads
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "aggregate",
     "apply_frames",
     "cap_malloc_arenas",
+    "map_large_allocations",
     "codec_threads",
     "decode_apply",
     "decode_frame",

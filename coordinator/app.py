@@ -18,7 +18,13 @@ from torch import Tensor, nn
 
 from geoloco import transport
 from geoloco.certs import WorkerTokensError, load_worker_tokens
-from geoloco.compression import Layout, cap_malloc_arenas, on_huge_pages, set_codec_threads
+from geoloco.compression import (
+    Layout,
+    cap_malloc_arenas,
+    map_large_allocations,
+    on_huge_pages,
+    set_codec_threads,
+)
 from geoloco.config import ConfigError, RunConfig, require_token, resolve_token
 from geoloco.coordinator import checkpoint, roundlog
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
@@ -345,11 +351,13 @@ def coordinator_threads() -> None:
     codec's kernels keep the threads torch would have had (OMP_NUM_THREADS, else the
     cores), and torch's own ops run on one, so that no torch parallel region waits for a
     core held by the codec's threads, the gRPC threads or another process; and the
-    gRPC threads that take frames share two malloc arenas rather than one each
-    (compression.memory.cap_malloc_arenas)."""
+    gRPC threads that take frames share two malloc arenas rather than one each, and
+    buffers of half a megabyte and more are mapped apart and returned at free
+    (compression.memory.cap_malloc_arenas, map_large_allocations)."""
     set_codec_threads(torch.get_num_threads())
     torch.set_num_threads(1)
     cap_malloc_arenas()
+    map_large_allocations()
 
 
 def run_is_done(cfg: RunConfig, run_dir: Path) -> bool:

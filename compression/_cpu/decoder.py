@@ -52,7 +52,7 @@ SCATTER_PIECE = 1 << 16  # kept elements per task of add_at's scatter
 MERGE_CHUNKS = 256  # chunks per task of add_frames (1 M parameters at 64 x 64 tiles)
 # decoded positions add_frames holds at once, all frames together: the model is added a slab
 # of segments at a time, each frame's positions of the slab decoded from its bytes first
-SLAB_BYTES = 32 << 20
+SLAB_BYTES = 8 << 20
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
