@@ -100,22 +100,19 @@ class NumbaBody:
         """The in-chunk position of every kept element (uint16), decoded once more on first
         use (a check keeps none) and kept."""
         if not self.ready:
-            self.make_room_for_positions()
+            self.fa = self.fa._replace(positions=np.empty(self.kept, dtype=np.uint16))
+            self._fa = tuple(self.fa)
             if self.check(VALIDATE) is not None:
                 raise AssertionError("validating a checked frame failed")
         return self.fa.positions
 
-    def make_room_for_positions(self) -> None:
-        """Room for every kept element's position, which VALIDATE fills (and sets ready)."""
-        self.fa = self.fa._replace(positions=np.empty(self.kept, dtype=np.uint16))
-        self._fa = tuple(self.fa)
-
-    def slab_positions(self, s0: int, seg_start: np.ndarray, out: np.ndarray) -> None:
-        """The in-chunk positions of the kept elements of segments [s0, len(seg_start)) into
-        ``out`` (uint16), decoded from the bytes and checked again; ``seg_start``: the
-        geometry's first rows with the kept offsets counted from segment s0's
-        (``_slab_starts``)."""
-        s1 = len(seg_start)
+    def slab_positions(self, s0: int, s1: int, out: np.ndarray) -> None:
+        """The in-chunk positions of segments [s0, s1)'s kept elements into ``out`` (uint16,
+        from the slab's first kept element), decoded from the bytes and checked again."""
+        geo = self.geometry
+        seg_start = geo.seg_start[:s1].copy()
+        seg_start[:, 2] -= geo.seg_start[s0, 2]
+        seg_start.setflags(write=False)  # the type the kernels were compiled for
         fa = self.fa._replace(seg_start=seg_start, positions=out)
         problems = np.zeros((s1, 4), dtype=np.int64)
         check_segments(POSITIONS, tuple(fa), np.array([s0, 0], dtype=np.int64), False, _NO_APPLY, problems)
@@ -234,7 +231,8 @@ def decode(sections: SparseSections, into: ApplyTarget | None = None, keep_posit
     geo = sections.geometry
     body = NumbaBody(frame_arrays(sections), geo)
     if into is None and keep_positions:
-        body.make_room_for_positions()
+        body.fa = body.fa._replace(positions=np.empty(geo.kept, dtype=np.uint16))
+        body._fa = tuple(body.fa)
         problem = body.check(VALIDATE)
     elif into is None:
         problem = body.check(CHECK)
@@ -345,19 +343,17 @@ def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
     w, a = np.array(weights, dtype=np.float32), np.float32(alpha)
     mean, chunks, seg_start = mode == "mean_kept", geo.chunks, geo.seg_start
     n_seg = len(seg_start)
-    decoding = []  # the frames whose positions each slab decodes; the others kept theirs
+    decoding = [f for f, b in enumerate(bodies) if not b.ready]
     for f, b in enumerate(bodies):
         if b.ready:
             sources[f, 0] = _address(b.fa.positions)
-        else:
-            decoding.append(f)
     seg_kept = int(np.diff(seg_start[:, 2], append=geo.kept).max())  # kept elements of a segment, at most
     slab = max(1, SLAB_BYTES // (2 * seg_kept * len(decoding))) if decoding else n_seg
     room = np.empty((len(decoding), min(slab, n_seg) * seg_kept), dtype=np.uint16)
 
-    def decode_task(i: int, f: int, s0: int, starts: np.ndarray):
+    def decode_task(i: int, f: int, s0: int, s1: int):
         def run() -> None:
-            bodies[f].slab_positions(s0, starts, room[i])
+            bodies[f].slab_positions(s0, s1, room[i])
         return run
 
     def merge_task(r0: int, r1: int, slab_sources: np.ndarray):
@@ -372,23 +368,13 @@ def add_frames(layout: Layout, params: Sequence[torch.Tensor], bodies: Sequence,
             slab_sources = sources.copy()
             for i, f in enumerate(decoding):  # positions at kept element o are at room[i][o - first kept]
                 slab_sources[f, 0] = _address(room[i]) - 2 * int(seg_start[s0, 2])
-            starts = _slab_starts(seg_start, s0, s1)
-            run_tasks([decode_task(i, f, s0, starts) for i, f in enumerate(decoding)], codec_threads())
+            run_tasks([decode_task(i, f, s0, s1) for i, f in enumerate(decoding)], codec_threads())
             rows = (s0 * SEGMENT_CHUNKS, min(s1 * SEGMENT_CHUNKS, len(chunks)))
             run_tasks([merge_task(rows[0] + r0, rows[0] + r1, slab_sources)
                        for r0, r1 in pieces(rows[1] - rows[0], MERGE_CHUNKS)], codec_threads())
             if on_final is not None and rows[1] < len(chunks):
                 on_final(int(chunks[rows[1], TENSOR]))  # the tensors before the next chunk's
     return True
-
-
-def _slab_starts(seg_start: np.ndarray, s0: int, s1: int) -> np.ndarray:
-    """seg_start's rows up to segment s1, with the kept offsets counted from segment s0's: a
-    slab's positions written from 0 (read-only: the type the kernels were compiled for)."""
-    starts = seg_start[:s1].copy()
-    starts[:, 2] -= seg_start[s0, 2]
-    starts.setflags(write=False)
-    return starts
 
 
 def _address(a: np.ndarray) -> int:

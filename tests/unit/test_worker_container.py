@@ -45,19 +45,14 @@ class JoinOnly(geoloco_pb2_grpc.CoordinatorServicer):
                                      protocol_version=PROTOCOL_VERSION)
 
 
-def _serve(servicer: geoloco_pb2_grpc.CoordinatorServicer, threads: int = 2):
-    """``servicer`` on a real gRPC server on loopback: its address, until the test ends."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads))
-    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+@pytest.fixture
+def join_server():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(JoinOnly(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield f"127.0.0.1:{port}"
     server.stop(0)
-
-
-@pytest.fixture
-def join_server():
-    yield from _serve(JoinOnly())
 
 
 def test_join_returns_the_assigned_identity(join_server: str) -> None:
@@ -91,8 +86,12 @@ class SlowJoin(JoinOnly):
 @pytest.fixture
 def slow_join_server():
     servicer = SlowJoin(delay_s=0.8)
-    for address in _serve(servicer, threads=8):  # attempts given up keep a thread
-        yield address, servicer
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))  # attempts given up keep a thread
+    geoloco_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(0)
 
 
 def _join(deadline_log: list[float]):
