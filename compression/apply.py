@@ -61,10 +61,16 @@ def _dense_update(layout, frames, weights, j: int, mode: str, device) -> torch.T
 
 def aggregate(layout: Layout, frames: Sequence[Frame], weights=None, *, mode: str = "sum",
               device=None) -> list[torch.Tensor]:
-    """The update U as dense fp32 tensors shaped like the layout."""
+    """The update U as dense fp32 tensors shaped like the layout. Sparse frames on the CPU
+    are added by the backend's fused multi-frame apply into zeros (0 + 1 x U is U), which
+    makes no index tensors; the rest, one tensor at a time."""
     frames = list(frames)
     weights = _check(layout, frames, weights, mode)
     dev = torch.device(device) if device is not None else torch.device("cpu")
+    if frames and dev.type == "cpu" and all(f.kind == "sparse" for f in frames):
+        out = [torch.zeros(s.shape, dtype=torch.float32) for s in layout.specs]
+        apply_frames(out, frames, weights, mode=mode, alpha=1.0)
+        return out
     return [_dense_update(layout, frames, weights, j, mode, dev).view(s.shape)
             for j, s in enumerate(layout.specs)]
 

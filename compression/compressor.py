@@ -136,11 +136,44 @@ class Compressor:
         deltas = list(deltas)
         self.layout.check_tensors(deltas)
         self._ensure_state(deltas[0].device if deltas else torch.device("cpu"))
-        live = self._live
-        errors = [self.error[j] for j in live]
-        device = errors[0].device if errors else torch.device("cpu")  # all on one device
-        flat = [deltas[j].detach().reshape(-1).to(device=device, dtype=torch.float32) for j in live]
+        device = self._state_device()
+        flat = [deltas[j].detach().reshape(-1).to(device=device, dtype=torch.float32) for j in self._live]
+        return self._encode(self._encoder(device), flat, round, sender)
+
+    def compress_aggregate(self, frames: Sequence[Frame], weights: Sequence[float], *, mode: str,
+                           round: int, sender: int) -> bytes:
+        """``compress(aggregate(layout, frames, weights, mode=mode))`` with the same bytes and
+        state, without a dense aggregate where the encoder writes the next state into spare
+        buffers (numba): the frames are added into the spares (the fused multi-frame apply,
+        from zero), and the encoder takes them as its deltas, ``e = beta*prev + d`` element by
+        element into the same buffer. Elsewhere through the dense aggregate."""
+        from .apply import aggregate, apply_frames  # apply imports this module's neighbours
+
+        frames = list(frames)
+        self._ensure_state(self.device or torch.device("cpu"))
+        device = self._state_device()
         encoder = self._encoder(device)
+        spares = encoder.spares(self.error_live()) if hasattr(encoder, "spares") else None
+        if spares is None or not frames:
+            return self.compress(aggregate(self.layout, frames, weights, mode=mode, device=device),
+                                 round=round, sender=sender)
+        into = [torch.zeros(0) for _ in self.layout.specs]
+        for j, spare in zip(self._live, spares, strict=True):
+            into[j] = spare.view(self.layout.specs[j].shape).zero_()
+        apply_frames(into, frames, weights, mode=mode, alpha=1.0)
+        return self._encode(encoder, spares, round, sender)
+
+    def error_live(self) -> list[torch.Tensor]:
+        """The error-feedback buffers of the tensors that hold elements."""
+        return [self.error[j] for j in self._live]
+
+    def _state_device(self) -> torch.device:
+        errors = self.error_live()
+        return errors[0].device if errors else torch.device("cpu")  # all on one device
+
+    def _encode(self, encoder: SparseEncoder, flat: list[torch.Tensor], round: int, sender: int) -> bytes:
+        live = self._live
+        errors = self.error_live()
         self._before = None
         before = [e.clone() for e in errors] if self.undoable and encoder.in_place else errors
         try:

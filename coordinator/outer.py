@@ -152,8 +152,8 @@ class SparseLoCoOuter(OuterOptimizer):
         as_frames = Update(frames, mode, -self.lr)
         if self.broadcast == "frames" or not frames:
             return as_frames
-        total = aggregate(self.layout, [f.frame for f in frames], [f.weight for f in frames], mode=mode)
-        data = self.compressor.compress(total, round=round, sender=COORDINATOR_SENDER)
+        data = self.compressor.compress_aggregate([f.frame for f in frames], [f.weight for f in frames],
+                                                  mode=mode, round=round, sender=COORDINATOR_SENDER)
         if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= len(data):
             self.compressor.restore()
             return as_frames

@@ -70,11 +70,17 @@ class NumbaEncoder:
             view = self._views[id(t)] = (t, t.numpy())
         return view[1]
 
-    def encode(self, errors: list[torch.Tensor], deltas: list[torch.Tensor], beta: float) -> Encoded:
-        arrays = [d.contiguous().numpy() for d in deltas]
+    def spares(self, errors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The buffers the next ``encode`` of ``errors`` writes the new state into. They may
+        be passed to it as its deltas: each element of the error feedback is read from
+        ``errors`` and the delta, then written, before any other (``Compressor.compress_aggregate``)."""
         if self._spare is None:
             self._spare = [torch.empty_like(e) for e in errors]
-        spare = self._spare
+        return self._spare
+
+    def encode(self, errors: list[torch.Tensor], deltas: list[torch.Tensor], beta: float) -> Encoded:
+        arrays = [d.contiguous().numpy() for d in deltas]
+        spare = self.spares(errors)
         n_threads = codec_threads()
         tables, codes, index, chunk_bytes, bad = run_encode(
             [self._numpy(e) for e in errors], arrays, [self._numpy(e) for e in spare], beta, n_threads, self.plans,

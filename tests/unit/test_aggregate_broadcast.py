@@ -144,3 +144,27 @@ def test_the_frames_broadcast_is_unchanged_and_bad_settings_are_refused() -> Non
                                       "compression": {"method": "diloco"}, "outer": {"lr": 0.7}}))
     frames = [UpdateFrame(a.worker, 1.0, a.data, a.frame) for a in arrivals]
     assert outer.combine(0, frames, "sum").frames == frames
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("mode", ["sum", "mean_kept"])
+def test_compress_aggregate_is_compress_of_the_aggregate_bit_for_bit(backend: str, mode: str) -> None:
+    """The broadcast compressor adds the frames into its spare buffers and encodes them in
+    place (numba), instead of compressing a dense aggregate: the same frames and the same
+    error feedback, round after round, through a restore (``auto``, a discarded update) too."""
+    lay = layout()
+    fused, dense = (Compressor(lay, density=2 * DENSITY, beta=1.0, undoable=True, backend=backend)
+                    for _ in range(2))
+    for r in range(4):
+        frames = [a.frame for a in worker_frames(lay, 5, r)]
+        weights = [0.5, 1.0, 0.25, 2.0, 1.0]
+        got = fused.compress_aggregate(frames, weights, mode=mode, round=r, sender=COORDINATOR_SENDER)
+        want = dense.compress(aggregate(lay, frames, weights, mode=mode), round=r, sender=COORDINATOR_SENDER)
+        assert got == want, f"round {r}: the frames differ"
+        for e, f in zip(fused.error, dense.error, strict=True):
+            assert torch.equal(e, f), f"round {r}: the error feedback differs"
+        if r == 1:  # undone, then redone
+            fused.restore()
+            dense.restore()
+            assert fused.compress_aggregate(frames, weights, mode=mode, round=r, sender=COORDINATOR_SENDER) == want
+            dense.compress(aggregate(lay, frames, weights, mode=mode), round=r, sender=COORDINATOR_SENDER)
