@@ -93,7 +93,7 @@ def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
 
 SECURITY_KEYS = {
     "fuzz_rpc": {"streams", "crashed", "invalid_accepted", "worker_served"},
-    "scale": {"params", "decode_apply_s", "rows", "close_ratio", "rss_ratio"},
+    "scale": {"params", "decode_apply_s", "rows", "targets"},
 }
 
 
@@ -108,6 +108,14 @@ def test_security_benchmarks_quick_run_ends_with_json_line(name: str) -> None:
     assert SECURITY_KEYS[name] | PROVENANCE <= set(result), result
     if name == "fuzz_rpc":
         assert result["crashed"] == 0 and result["invalid_accepted"] == 0 and result["worker_served"]
+    if name == "scale":  # both round results by default; aggregate's download is one frame at every n
+        assert set(result["targets"]) == {"frames", "aggregate"}
+        rows = {(r["broadcast"], r["n"]): r for r in result["rows"]}
+        assert {r["sent_as"][0] for r in result["rows"]} == {"frames", "aggregate"}
+        assert rows["frames", 4]["download_bytes_per_worker"] > 3 * rows["frames", 2]["download_bytes_per_worker"] / 2
+        assert rows["aggregate", 4]["download_bytes_per_worker"] == pytest.approx(
+            rows["aggregate", 2]["download_bytes_per_worker"], rel=0.01)
+        assert all(r["coordinator_upload_bytes"] == r["n"] * r["download_bytes_per_worker"] for r in rows.values())
 
 
 CODEC_KEYS = {"bits_per_param", "ratio_vs_fp32", "ratio_vs_bf16", "encode_gbps", "decode_apply_gbps",
