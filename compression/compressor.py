@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend import NotFinite, SparseEncoder
+from .backend import Encoded, NotFinite, SparseEncoder
 from .format import (
     INDEX_FIXED,
     INDEX_RICE,
@@ -133,12 +133,35 @@ class Compressor:
 
     def compress(self, deltas: Sequence[torch.Tensor], *, round: int, sender: int) -> bytes:
         """Add ``deltas`` into the error feedback, take its sparse 2-bit part, return the frame."""
+        return self.write(self.encode(deltas), round=round, sender=sender)
+
+    def encode(self, deltas: Sequence[torch.Tensor]) -> Encoded:
+        """``compress`` without the frame: its sections, joined over the tensors (an island's
+        rank sends these for its pieces; compression.shards)."""
         deltas = list(deltas)
         self.layout.check_tensors(deltas)
         self._ensure_state(deltas[0].device if deltas else torch.device("cpu"))
         device = self._state_device()
         flat = [deltas[j].detach().reshape(-1).to(device=device, dtype=torch.float32) for j in self._live]
-        return self._encode(self._encoder(device), flat, round, sender)
+        return self._encode(self._encoder(device), flat)
+
+    def write(self, encoded: Encoded, *, round: int, sender: int) -> bytes:
+        """The frame of this layout holding ``encoded``'s sections."""
+        sections = [encoded.table, encoded.codes, encoded.index, index_offsets_section(encoded.chunk_index_bytes)]
+        return write_frame(KIND_SPARSE, self.table_mode, self.index_mode, self.layout, round, sender,
+                           self.tile, self.k, sections, self.zstd)
+
+    @property
+    def table_mode(self) -> int:
+        return TABLE_MODES[self.table]
+
+    @property
+    def index_mode(self) -> int:
+        return INDEX_CODINGS[self.index_coding]
+
+    def ensure_state(self) -> None:
+        """Zero error feedback where there is none yet (on ``device``, else the CPU)."""
+        self._ensure_state(self.device or torch.device("cpu"))
 
     def compress_aggregate(self, frames: Sequence[Frame], weights: Sequence[float], *, mode: str,
                            round: int, sender: int) -> bytes:
@@ -161,7 +184,7 @@ class Compressor:
         for j, spare in zip(self._live, spares, strict=True):
             into[j] = spare.view(self.layout.specs[j].shape).zero_()
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)
-        return self._encode(encoder, spares, round, sender)
+        return self.write(self._encode(encoder, spares), round=round, sender=sender)
 
     def error_live(self) -> list[torch.Tensor]:
         """The error-feedback buffers of the tensors that hold elements."""
@@ -171,7 +194,7 @@ class Compressor:
         errors = self.error_live()
         return errors[0].device if errors else torch.device("cpu")  # all on one device
 
-    def _encode(self, encoder: SparseEncoder, flat: list[torch.Tensor], round: int, sender: int) -> bytes:
+    def _encode(self, encoder: SparseEncoder, flat: list[torch.Tensor]) -> Encoded:
         live = self._live
         errors = self.error_live()
         self._before = None
@@ -186,9 +209,7 @@ class Compressor:
         for j, e in zip(live, encoded.errors, strict=True):
             self.error[j] = e
         self._before = before if self.undoable else None
-        sections = [encoded.table, encoded.codes, encoded.index, index_offsets_section(encoded.chunk_index_bytes)]
-        return write_frame(KIND_SPARSE, TABLE_MODES[self.table], INDEX_CODINGS[self.index_coding],
-                           self.layout, round, sender, self.tile, self.k, sections, self.zstd)
+        return encoded
 
     # -- settle ---------------------------------------------------------------------------
 
