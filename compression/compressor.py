@@ -159,6 +159,10 @@ class Compressor:
     def index_mode(self) -> int:
         return INDEX_CODINGS[self.index_coding]
 
+    def reset(self) -> None:
+        """Error feedback from zero, as a new compressor's."""
+        self.error, self._before = None, None
+
     def ensure_state(self) -> None:
         """Zero error feedback where there is none yet (on ``device``, else the CPU)."""
         self._ensure_state(self.device or torch.device("cpu"))

@@ -165,13 +165,22 @@ class ShardCompressor:
         """``Compressor.add_frame`` of a frame of the whole layout, for this rank's pieces."""
         if frame.kind != "sparse" or frame.layout != self.layout:
             raise ValueError(f"{frame!r} is not a sparse frame of this island's layout")
+        self.add_kept(frame.indices, frame.values, weight)
+
+    def add_kept(self, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], weight: float) -> None:
+        """``e += fp32(weight) * v`` at each kept (flat index, value) of the whole layout's
+        tensors (a sparse frame's ``indices`` and ``values``) that falls in this rank's pieces."""
         c = self.compressor
         c.ensure_state()
         w = torch.tensor(weight, dtype=torch.float32)
         for j, p in enumerate(self.pieces):
-            e, idx, vals = c.error[j], frame.indices[p.tensor], frame.values[p.tensor]
+            e, idx, vals = c.error[j], indices[p.tensor], values[p.tensor]
             mine = (idx >= p.start) & (idx < p.stop)
             e.index_add_(0, (idx[mine] - p.start).to(e.device), vals[mine].to(e.device) * w.to(e.device))
+
+    def reset(self) -> None:
+        """Error feedback from zero (a restore the island could not make on every rank)."""
+        self.compressor.reset()
 
     def restore(self) -> None:
         self.compressor.restore()

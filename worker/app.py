@@ -17,15 +17,18 @@ from pathlib import Path
 import torch
 
 from geoloco.compression import set_codec_threads
+from geoloco.compression.shards import ShardCompressor
 from geoloco.config import TOKEN_ENV, ConfigError, RunConfig, TlsConfig, validate
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
+from geoloco.replica import replica_layout
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
 from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker import local_state
 from geoloco.worker.admission import Admission
+from geoloco.worker.encoder import island_shard, settle_shard
 from geoloco.worker.island import Island, IslandError, optimizer_tensors
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.loop import Worker, restore_shards
@@ -133,6 +136,7 @@ def follow(island: Island, precision: str) -> int:
     """Ranks 1..N-1: train as rank 0 says until it says exit. Returns the exit code (0)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
     trainer: InnerTrainer | None = None
+    shard: ShardCompressor | None = None  # SparseLoCo under fsdp: this rank's share of the error feedback
     while True:
         kind, *args = island.receive()
         if kind == "exit":
@@ -142,6 +146,9 @@ def follow(island: Island, precision: str) -> int:
             cfg = validate(RunConfig.from_dict(json.loads(args[0])))
             task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
             trainer = InnerTrainer(task, cfg.inner, cfg.rounds, island.device, precision, island=island)
+            if island.sharded and cfg.compression.method == "sparseloco":
+                shard = island_shard(island, replica_layout(trainer.model), cfg.compression,
+                                     undoable=cfg.coding.scheme != "none")
         elif trainer is None:
             raise IslandError(f"rank {island.rank}: command {kind!r} before the run config")
         elif kind == "train":
@@ -149,12 +156,17 @@ def follow(island: Island, precision: str) -> int:
                 trainer.train_partition(None, *args)
             except (TrainingStopped, FloatingPointError) as exc:  # rank 0 fails or stops the same way
                 log.info("rank %d: %s", island.rank, exc)
+        elif kind == "compress" and shard is not None:  # SparseLoCo under fsdp: this rank's pieces
+            shard.set_density(args[0])
+            island.compress_shards(shard, None)
+        elif kind == "settle" and shard is not None:
+            settle_shard(shard, args[0])
         elif kind == "optimizer":
             trainer.optimizer.load_state_dict(args[0])
         elif kind == "save":  # fsdp: this rank's AdamW shard, before rank 0 writes its state
             path, round_, layout_digest = args
             try:
-                local_state.save_shard(Path(path), island.rank, trainer, round_, layout_digest)
+                local_state.save_shard(Path(path), island.rank, trainer, round_, layout_digest, shard)
                 written = True
             except OSError as exc:
                 log.error("rank %d: AdamW shard of round %d not written (%s)", island.rank, round_,
@@ -164,15 +176,17 @@ def follow(island: Island, precision: str) -> int:
         elif kind == "restore":
             path, round_, layout_digest = args
             try:
-                local_state.load_shard(Path(path), island.rank, trainer, round_, layout_digest)
+                local_state.load_shard(Path(path), island.rank, trainer, round_, layout_digest, shard)
                 loaded = True
             except LocalStateError as exc:
                 log.warning("rank %d: %s", island.rank, exc)
                 loaded = False
-            restore_shards(island, trainer, loaded)
+            restore_shards(island, trainer, loaded, shard)
         elif kind == "shards":
             island.shard_sizes(trainer.params)
             island.shard_sizes(optimizer_tensors(trainer.optimizer))
+            if shard is not None:
+                island.counts(shard.held)
         else:
             raise IslandError(f"rank {island.rank}: unknown command {kind!r}")
 

@@ -12,14 +12,17 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Compressor, Frame, Layout, decode_frame, encode_dense
+from geoloco.compression.shards import ShardCompressor, split_layout
 from geoloco.config import CompressionConfig
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
+from geoloco.worker.island import Island
 
 log = logging.getLogger(__name__)
 
-__all__ = ["START_DENSITY", "FrameEncoder", "same_values"]
+__all__ = ["START_DENSITY", "FrameEncoder", "IslandFrameEncoder", "island_shard", "same_values", "settle_shard"]
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
+RESTORE = "restore"  # a settlement that undoes the last compression
 
 
 class FrameEncoder:
@@ -52,12 +55,23 @@ class FrameEncoder:
         RESTORE undoes the compression, ADD_BACK adds the frame back, CREDIT adds it back and
         takes out the group-mate's frame that was applied in its place. Dense frames carry
         no error feedback."""
+        todo = self._settlement(settlement, own, applied)
+        if todo == RESTORE:
+            self.compressor.restore()
+        elif todo:
+            for frame, weight in todo:
+                self.compressor.add_frame(frame, weight)
+
+    def _settlement(self, settlement: pb.Settlement, own: bytes,
+                    applied: list[Frame]) -> str | list[tuple[Frame, float]]:
+        """What ``settle`` does: RESTORE, or the frames to add into the error feedback with
+        their weights, in order (none for KEEP, dense frames, or a mate's frame that is this
+        worker's own)."""
         kinds = pb.Settlement
         if self.compressor is None or settlement.kind == kinds.KEEP:
-            return
+            return []
         if settlement.kind == kinds.RESTORE:
-            self.compressor.restore()
-            return
+            return RESTORE
         frame = decode_frame(own, self.layout)
         if settlement.kind == kinds.CREDIT:
             mate = next((f for f in applied if f.sender == settlement.sender), None)
@@ -66,9 +80,9 @@ class FrameEncoder:
             if mate is None:
                 raise ValueError(f"settlement credits worker {settlement.sender}'s frame, which the round did not apply")
             if same_values(frame, mate):
-                return  # the usual case: the same message from the same parameters, the same frame
-            self.compressor.add_frame(mate, -1.0)
-        self.compressor.add_frame(frame, 1.0)
+                return []  # the usual case: the same message from the same parameters, the same frame
+            return [(mate, -1.0), (frame, 1.0)]
+        return [(frame, 1.0)]
 
     def warm_up(self) -> None:
         """Compress, decode and apply a small stand-in model once, so the codec's compiled
@@ -88,6 +102,53 @@ class FrameEncoder:
         apply_round(params, [frame, frame], [0.5, 0.5], "sum", -1.0)
         apply_round(params, [frame, frame], [0.5, 0.5], "mean_kept", -1.0)  # several frames at once
         log.info("codec kernels ready in %.2fs", time.monotonic() - start)
+
+
+class IslandFrameEncoder(FrameEncoder):
+    """Rank 0 of an fsdp island (geoloco.worker.island) under SparseLoCo: every rank keeps the
+    error feedback of its own pieces of the layout (compression.shards) and compresses them;
+    rank 0 joins the ranks' parts into the island's one frame, byte for byte the frame one
+    process would send. ``compressor`` is rank 0's share (its local state saves it); the
+    other ranks hold theirs (geoloco.worker.app.follow)."""
+
+    def __init__(self, island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
+                 density: float | None = None) -> None:
+        super().__init__(layout, compression, undoable, density)
+        self.island = island
+        self.shard = island_shard(island, layout, compression, undoable, density)
+        self.compressor = self.shard.compressor
+
+    def encode(self, message: list[Tensor], round_: int, sender: int) -> bytes:
+        self.island.send("compress", self.compressor.density)
+        parts = self.island.compress_shards(self.shard, message)
+        return self.shard.join_frame(parts, round=round_, sender=sender)
+
+    def settle(self, settlement: pb.Settlement, own: bytes, applied: list[Frame]) -> None:
+        todo = self._settlement(settlement, own, applied)
+        if not todo:
+            return
+        sent = todo if todo == RESTORE else [(f.indices, f.values, w) for f, w in todo]
+        self.island.send("settle", sent)
+        settle_shard(self.shard, sent)
+
+
+def island_shard(island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
+                 density: float | None = None) -> ShardCompressor:
+    """This rank's share of its island's compressor (compression.shards.split_layout over the
+    island's ranks, with the run's codec parameters): every rank makes the same split."""
+    like = _compressor(layout, compression, undoable, density)
+    pieces = split_layout(layout, island.size, like.tile, per_chunk=like.table == "chunk")
+    return ShardCompressor(layout, pieces[island.rank], like)
+
+
+def settle_shard(shard: ShardCompressor, todo: str | list) -> None:
+    """A settlement on a rank's share of the error feedback: RESTORE, or each (indices,
+    values, weight) of whole-layout frames added in order (IslandFrameEncoder.settle)."""
+    if todo == RESTORE:
+        shard.restore()
+        return
+    for indices, values, weight in todo:
+        shard.add_kept(indices, values, weight)
 
 
 def same_values(a: Frame, b: Frame) -> bool:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from geoloco.compression.shards import Parts, ShardCompressor
 from geoloco.config import PARALLEL_MODES
 from geoloco.stopping import EXIT_INTERRUPTED
 from geoloco.tasks import Batch
@@ -202,6 +203,46 @@ class Island:
                     whole.append(t.to("cpu", torch.float32))
         return whole if self.leader else None
 
+    def compress_shards(self, shard: ShardCompressor, message: list[Tensor] | None) -> list[Parts] | None:
+        """Every rank, SparseLoCo under ``fsdp``: rank 0's ``message`` (whole tensors; None on
+        the others) goes out one tensor at a time, each rank keeps its pieces of it and
+        compresses them into its share of the error feedback (compression.shards); rank 0
+        gets every rank's parts, in rank order (None elsewhere). ValueError on rank 0, naming
+        the rank, where one found NaN or Inf."""
+        mine: dict[int, list[int]] = {}
+        for i, piece in enumerate(shard.pieces):
+            mine.setdefault(piece.tensor, []).append(i)
+        slices: list[Tensor | None] = [None] * len(shard.pieces)
+        device = self.device or torch.device("cpu")
+        with torch.no_grad():
+            for j, spec in enumerate(shard.layout.specs):
+                if spec.numel == 0:
+                    continue
+                whole = (message[j].detach().to(device, torch.float32).contiguous() if self.leader
+                         else torch.empty(spec.shape, dtype=torch.float32, device=device))
+                dist.broadcast(whole, src=0)
+                for i in mine.get(j, []):
+                    p = shard.pieces[i]
+                    slices[i] = whole.reshape(-1)[p.start:p.stop].clone().view(p.shape)
+        try:
+            result: Parts | str = shard.compress_pieces(slices)
+        except ValueError as exc:
+            result = f"rank {self.rank}: {exc}"
+        gathered: list[Any] | None = [None] * self.size if self.leader else None
+        dist.gather_object(result, gathered, dst=0)
+        if gathered is None:
+            return None
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            raise ValueError(failed[0])
+        return gathered
+
+    def counts(self, n: int) -> list[int]:
+        """Every rank's ``n``, on rank 0 ([] elsewhere)."""
+        sizes: list[Any] = [None] * self.size if self.leader else []
+        dist.gather_object(int(n), sizes if self.leader else None, dst=0)
+        return [int(x) for x in sizes] if self.leader else []
+
     def agree(self, ok: bool) -> bool:
         """True on every rank when ``ok`` is true on every rank (one all-reduce)."""
         flag = torch.tensor([1 if ok else 0], device=self.device or torch.device("cpu"))
@@ -210,10 +251,7 @@ class Island:
 
     def shard_sizes(self, tensors: list[Tensor]) -> list[int]:
         """Every rank's count of the elements of ``tensors`` it holds, on rank 0 ([] elsewhere)."""
-        held = sum(local_numel(t) for t in tensors)
-        sizes: list[Any] = [None] * self.size if self.leader else []
-        dist.gather_object(held, sizes if self.leader else None, dst=0)
-        return [int(n) for n in sizes] if self.leader else []
+        return self.counts(sum(local_numel(t) for t in tensors))
 
     def shard(self, batch: Batch) -> Batch:
         """This rank's rows of the island's batch: an equal share, in rank order."""

@@ -2,8 +2,8 @@
 feedback (SparseLoCo's residual, arXiv 2508.15706), the inner AdamW state, each partition's
 data position and latest pseudo-gradient, and the RNG state; one file per worker id,
 written atomically (docs/protocol.md, "Stopping and restarting"). In an island under
-``fsdp`` each rank's shard of the AdamW state is its own: rank 0's in that file, every
-other rank's in a file beside it (``rank_path``)."""
+``fsdp`` each rank's shard of the AdamW state, and under SparseLoCo of the error feedback,
+is its own: rank 0's in that file, every other rank's in a file beside it (``rank_path``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from geoloco.compression import Compressor
+from geoloco.compression.shards import ShardCompressor
 from geoloco.run_dir import write_atomic
 
 log = logging.getLogger(__name__)
@@ -77,23 +78,26 @@ def save(path: Path, training: Any, round_: int) -> None:
     _write(path, state)
 
 
-def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str) -> None:
+def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str,
+               shard: ShardCompressor | None = None) -> None:
     """A non-zero rank of an fsdp island: its shard of the AdamW state at the start of
-    ``round_``, beside rank 0's file ``main`` (``rank_path``); its shards of older rounds but
-    the last SHARDS_KEPT go."""
+    ``round_``, and of the error feedback (``shard``, under SparseLoCo), beside rank 0's
+    file ``main`` (``rank_path``); its shards of older rounds but the last SHARDS_KEPT go."""
     path = rank_path(main, rank, round_)
     _write(path, {"format_version": FORMAT_VERSION, "round": round_, "layout_digest": layout_digest,
-                  "optimizer_shard": trainer.optimizer_shard(), "optimizer": trainer.optimizer_state()})
+                  "optimizer_shard": trainer.optimizer_shard(), "optimizer": trainer.optimizer_state(),
+                  "error_feedback": shard.state_dict() if shard is not None else None})
     pattern = rank_path(main, rank, 0).name.replace(".round-0.", ".round-*.")
     saved = sorted(path.parent.glob(pattern), key=lambda p: int(p.name.rsplit(".round-", 1)[1].split(".")[0]))
     for old in saved[:-SHARDS_KEPT]:
         old.unlink(missing_ok=True)
 
 
-def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str) -> None:
-    """``save_shard``'s inverse, for rank 0's state of ``round_``: LocalStateError, and the
-    AdamW state untouched, if the file is missing, unreadable, of another model or
-    sharding."""
+def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str,
+               shard: ShardCompressor | None = None) -> None:
+    """``save_shard``'s inverse, for rank 0's state of ``round_``: LocalStateError if the
+    file is missing, unreadable, of another model or sharding (the caller then starts both
+    from zero on every rank: geoloco.worker.loop.restore_shards)."""
     path = rank_path(main, rank, round_)
     if not path.exists():
         raise LocalStateError(f"{path} does not exist")
@@ -102,6 +106,18 @@ def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: 
         raise LocalStateError(f"{path} is of round {state['round']}, rank 0's of round {round_} "
                               "(or of another model layout)")
     _load_optimizer(path, state, trainer)
+    if shard is not None:
+        _load_error_feedback(path, state.get("error_feedback"), shard.compressor)
+
+
+def _load_error_feedback(path: Path, saved: dict | None, compressor: Compressor) -> None:
+    if saved is None:
+        raise LocalStateError(f"{path} holds no error feedback")
+    try:
+        compressor.load_state_dict(saved)
+    except (ValueError, KeyError) as exc:
+        raise LocalStateError(f"{path}: its error feedback does not fit this worker's ({exc}; an island "
+                              "of another size or a worker that was not one saved it)") from None
 
 
 def _load_optimizer(path: Path, state: dict, trainer: Any) -> None:
@@ -134,7 +150,7 @@ def load(path: Path, training: Any) -> tuple[int, bool]:
                               "task.seq_len, task.val_windows, workers or seed)")
     compressor = training.encoder.compressor
     if isinstance(compressor, Compressor) and state["error_feedback"] is not None:
-        compressor.load_state_dict(state["error_feedback"])
+        _load_error_feedback(path, state["error_feedback"], compressor)
     try:
         _load_optimizer(path, state, training.trainer)
         adamw = True

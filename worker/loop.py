@@ -21,6 +21,7 @@ from torch import Tensor
 
 from geoloco import transport
 from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
+from geoloco.compression.shards import ShardCompressor
 from geoloco.config import RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import param_digest, replica_layout
@@ -31,7 +32,7 @@ from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker import local_state, overlap
 from geoloco.worker.admission import Admission, ConfigRefused
 from geoloco.worker.density import DensityChooser
-from geoloco.worker.encoder import FrameEncoder
+from geoloco.worker.encoder import FrameEncoder, IslandFrameEncoder
 from geoloco.worker.identity import IdentityStore
 from geoloco.worker.island import LAUNCHER_PID_ENV, Island, cpu_state, optimizer_tensors
 from geoloco.worker.local_state import LocalStateError
@@ -84,6 +85,11 @@ class Training:
     density: DensityChooser
     deltas: LatestDeltas = field(default_factory=LatestDeltas)
 
+    @property
+    def shard(self) -> ShardCompressor | None:
+        """Rank 0's share of an fsdp island's error feedback (None: the encoder holds it whole)."""
+        return self.encoder.shard if isinstance(self.encoder, IslandFrameEncoder) else None
+
     @classmethod
     def from_join(cls, reply: pb.JoinReply, device: torch.device, precision: str = "fp32",
                   inner_step: InnerStep | None = None, admission: Admission | None = None,
@@ -117,8 +123,11 @@ class Training:
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
         straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
         density = DensityChooser.from_config(cfg.compression)
-        encoder = FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
-                               density=density.density)
+        sharded = island is not None and island.sharded and cfg.compression.method == "sparseloco"
+        encoder = (IslandFrameEncoder(island, layout, cfg.compression, undoable=cfg.coding.scheme != "none",
+                                      density=density.density) if sharded else
+                   FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
+                                density=density.density))
         encoder.warm_up()
         return cls(cfg, trainer, layout, encoder, straggler, density)
 
@@ -541,7 +550,7 @@ class Worker:
         island, trainer = self.island, self.training.trainer
         if island is not None and island.sharded:  # each rank restores its own shard, or none does
             island.send("restore", str(path), saved_at, self.training.layout.digest.hex())
-            adamw = restore_shards(island, trainer, adamw)
+            adamw = restore_shards(island, trainer, adamw, self.training.shard)
         elif island is not None and adamw:  # every rank steps AdamW from the same state
             island.send("optimizer", cpu_state(trainer.optimizer.state_dict()))
         log.info("restored the local state of round %d from %s (error feedback, %sdata positions)",
@@ -605,6 +614,8 @@ class Worker:
             trainer = self.training.trainer
             self.held = {"params": island.shard_sizes(trainer.params),
                          "adamw": island.shard_sizes(optimizer_tensors(trainer.optimizer))}
+            if self.training.shard is not None:
+                self.held["error_feedback"] = island.counts(self.training.shard.held)
         digest = param_digest(self.theta)
         log.info("run finished after round %d: final digest %s, %d resyncs, %d reconnects",
                  self.round - 1, digest, self.counters.resyncs, self.counters.reconnects)
@@ -640,14 +651,18 @@ class Worker:
         write_atomic(path, json.dumps(report, indent=2), durable=False)
 
 
-def restore_shards(island: Island, trainer: InnerTrainer, loaded: bool) -> bool:
+def restore_shards(island: Island, trainer: InnerTrainer, loaded: bool,
+                   shard: ShardCompressor | None = None) -> bool:
     """Every rank of an fsdp island after ``restore``: whether each restored its shard of
-    the AdamW state (``loaded``: this rank's outcome); where one did not, every rank starts
-    AdamW from zero, so that no shard steps from a state the others lack."""
+    the AdamW state and of the error feedback (``shard``, under SparseLoCo) (``loaded``:
+    this rank's outcome); where one did not, every rank starts both from zero, so that no
+    shard steps from a state the others lack."""
     if island.agree(loaded):
         return True
     trainer.optimizer.state.clear()
+    if shard is not None:
+        shard.reset()
     if island.leader:
-        log.warning("a rank of the island has no AdamW shard of that round: the island's inner AdamW "
-                    "state starts from zero")
+        log.warning("a rank of the island has no AdamW or error-feedback shard of that round: the island's "
+                    "inner AdamW state and error feedback start from zero")
     return False

@@ -64,8 +64,11 @@ def test_an_island_trains_the_pseudo_gradient_one_process_would(tmp_path: Path) 
 def test_a_sharded_island_trains_the_same_pseudo_gradient_holding_half_each(tmp_path: Path) -> None:
     """fsdp: the same Δ as one process within the same bound (FSDP's reduce-scatter sums the
     halves' gradients as ddp's all-reduce does), while each rank holds only its shard of the
-    parameters and of AdamW's moments: together the whole model once (twice for the moments),
-    neither rank more than its torch.chunk share plus one row of each tensor."""
+    parameters, of AdamW's moments and of the error feedback: together the whole model once
+    (twice for the moments), neither rank more than its torch.chunk share plus one row of
+    each tensor (the error feedback: 60 %); and the frames the ranks compress together from
+    that Δ, round after round through every settlement, are the ones a single compressor
+    makes, byte for byte."""
     one, sharded = island_delta(tmp_path, 1), island_delta(tmp_path, 2, parallel="fsdp")
     assert relative_difference(one["delta"], sharded["delta"]) < DELTA_RTOL
     assert math.isclose(one["loss"], sharded["loss"], rel_tol=DELTA_RTOL)
@@ -73,6 +76,9 @@ def test_a_sharded_island_trains_the_same_pseudo_gradient_holding_half_each(tmp_
     assert sum(held["params"]) == numel and sum(held["adamw"]) == 2 * numel, (held, numel)
     assert all(0 < n < 0.6 * numel for n in held["params"]), (held, numel)
     assert all(0 < n < 1.2 * numel for n in held["adamw"]), (held, numel)
+    assert sum(held["error_feedback"]) == numel and all(0 < n < 0.6 * numel for n in held["error_feedback"]), held
+    whole, island = sharded["frames"]  # four rounds, each settled another way (island_delta.settled_frames)
+    assert len(set(whole)) == 4 and island == whole
 
 
 def island_pids(launcher: int) -> dict[int, int]:
@@ -148,10 +154,12 @@ def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processe
         assert report["status"] == "finished" and report["digest"] == digest, report
         assert report["digest_mismatches"] == 0 and report["resyncs"] == 0, report
         assert report["island"]["ranks"] == 2 and report["island"]["rank0_pid"] in leaders
-        if parallel == "fsdp":  # each rank held its half of the model and of AdamW's moments
+        if parallel == "fsdp":  # each rank held its half of the model, of AdamW's moments and of the error feedback
             held = report["island"]["held"]
             assert len(held["params"]) == 2 and all(0 < n < 0.6 * sum(held["params"]) for n in held["params"])
             assert sum(held["adamw"]) == 2 * sum(held["params"]), held
+            ef = held["error_feedback"]
+            assert sum(ef) == sum(held["params"]) and all(0 < n < 0.6 * sum(ef) for n in ef), held
 
 
 ROUNDS = 12
@@ -195,9 +203,12 @@ def test_a_killed_rank_takes_its_island_down_and_the_island_resumes(processes: P
     assert f"reclaiming worker {island_id}" in restarted and "restored the local state of round" in restarted
     assert "inner AdamW state, data positions" in restarted, [  # every rank's AdamW (shard) came back
         line for line in restarted.splitlines() if "state" in line]
-    if parallel == "fsdp":  # rank 1's shards of the last two rounds beside rank 0's file
-        shards = sorted(p.name for p in state_dir.glob(f"worker-{island_id}.rank-1.round-*.state.pt"))
+    if parallel == "fsdp":  # rank 1's shards of the last two rounds beside rank 0's file, its error feedback in them
+        shards = sorted(state_dir.glob(f"worker-{island_id}.rank-1.round-*.state.pt"))
         assert len(shards) == 2 and (state_dir / f"worker-{island_id}.state.pt").exists(), shards
+        ef = torch.load(shards[-1], weights_only=True)["error_feedback"]["error_feedback"]
+        assert 0 < sum(e.numel() for e in ef) < sum(e.numel() for e in torch.load(
+            state_dir / f"worker-{island_id}.state.pt", weights_only=True)["error_feedback"]["error_feedback"]) * 1.2
     _, digest = final_coordinator_digest(run_dir)
     finished = worker_reports(reports)
     assert finished[island_id]["pid"] == processes.procs["restarted"].pid
