@@ -3,7 +3,7 @@ processes that train its inner phase together over torch.distributed (Gloo on CP
 GPUs), inside the island only (docs/deploy.md, "A region's GPUs as one worker").
 
 Rank 0 is the worker the coordinator sees: it joins, fetches the state, pushes, follows the
-rounds, holds θ, the error feedback and the encoder. The other ranks never open a connection
+rounds, holds θ (and under ``ddp`` the error feedback and the encoder). The other ranks never open a connection
 to the coordinator; they follow rank 0's commands (geoloco.worker.app.follow): build the task from the run
 config rank 0 received, train a partition from the parameters rank 0 broadcasts, take the
 inner AdamW state rank 0 restored, exit. Every rank takes its share of each batch
@@ -18,9 +18,10 @@ the same tokens, within float rounding:
   tensor at a time (``scatter``), and the inner phase's end comes back the same way
   (``gather``), so no rank holds more of the model on its device than its shard and the one
   tensor in transit. Each rank saves and restores its own shard of the AdamW state
-  (``optimizer_shard``; ``geoloco.worker.local_state``). What rank 0 keeps between rounds
-  (θ, the error feedback, the encoder) stays whole, in its host memory: docs/deploy.md,
-  "A region's GPUs as one worker".
+  (``optimizer_shard``; ``geoloco.worker.local_state``). Under SparseLoCo each rank also
+  keeps its share of the error feedback and compresses its pieces of the pseudo-gradient
+  (``compress_shards``; compression.shards), which rank 0 joins into the island's frame. θ
+  stays whole on rank 0, in its host memory: docs/deploy.md, "A region's GPUs as one worker".
 
 Two ways in:
 - ``geoloco worker --nproc-per-node N`` runs ``launch``: it starts the N ranks on this host,
