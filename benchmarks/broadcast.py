@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-link-mbps", type=float, default=100.0, help="each worker's upload and download")
     p.add_argument("--broadcast-density", type=float, default=None,
                    help="coordinator.broadcast_density of the aggregate runs (default: the config's)")
+    p.add_argument("--broadcast-passes", type=int, default=1,
+                   help="coordinator.broadcast_passes of the aggregate runs: frames per round result")
     p.add_argument("--only", choices=("loss", "round-time"), default=None, help="one question (default both)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
     p.add_argument("--quick", action="store_true", help="n = 2, 4, 2 seeds, 3 rounds of H = 2: a smoke test")
@@ -105,7 +107,8 @@ def run_config(args: argparse.Namespace, n: int, mode: str, seed: int = 0) -> Ru
         "task.partitioning": "iid", "inner.steps": args.inner_steps,
         "inner.warmup_steps": round(args.warmup * args.rounds * args.inner_steps),
         "compression.method": "sparseloco", "coding.scheme": "none", "coordinator.broadcast": mode,
-        "coordinator.broadcast_density": args.broadcast_density})
+        "coordinator.broadcast_density": args.broadcast_density,
+        "coordinator.broadcast_passes": args.broadcast_passes})
 
 
 def run_one(cfg: RunConfig) -> dict[str, float]:
@@ -180,7 +183,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"n": n, "loss_frames": [f["loss"] for f in frames], "loss_aggregate": [a["loss"] for a in aggregate],
                      "ratios": ratios, "ratio_mean": statistics.mean(ratios), "ratio_upper95": upper95(ratios),
                      "worker_density": cfg.compression.density, "broadcast_density": broadcast_density(cfg),
-                     "worker_frame_bytes": upload, "worker_frame_bytes_synthetic": worker_synthetic,
+                     "broadcast_passes": cfg.coordinator.broadcast_passes, "worker_frame_bytes": upload, "worker_frame_bytes_synthetic": worker_synthetic,
                      "download_frames_bytes": n * upload, "download_aggregate_bytes": coordinator})
     return rows
 

@@ -181,7 +181,7 @@ class Compressor:
         device = self._state_device()
         encoder = self._encoder(device)
         spares = encoder.spares(self.error_live()) if hasattr(encoder, "spares") else None
-        if spares is None or not frames:
+        if spares is None:
             return self.compress(aggregate(self.layout, frames, weights, mode=mode, device=device),
                                  round=round, sender=sender)
         into = [torch.zeros(0) for _ in self.layout.specs]

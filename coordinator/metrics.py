@@ -193,11 +193,12 @@ BROADCAST_MODES = ("frames", "aggregate")  # RoundMetrics.broadcast
 
 
 def broadcast_of(closed: ClosedRound) -> str | None:
-    """"aggregate" where the result is one frame of the coordinator's, else "frames"."""
+    """"aggregate" where the result is the coordinator's frames (one, or
+    coordinator.broadcast_passes), else "frames"."""
     senders = [f.sender for f in closed.header.frames]
     if not senders:
         return None
-    return "aggregate" if senders == [COORDINATOR_SENDER] else "frames"
+    return "aggregate" if all(s == COORDINATOR_SENDER for s in senders) else "frames"
 
 
 def _mean(values: list[float]) -> float | None:

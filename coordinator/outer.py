@@ -129,13 +129,17 @@ class SparseLoCoOuter(OuterOptimizer):
     """
 
     def __init__(self, layout: Layout, cfg: OuterConfig, broadcast: str = "frames",
-                 compressor: Compressor | None = None) -> None:
+                 compressor: Compressor | None = None, passes: int = 1) -> None:
         super().__init__(layout, cfg)
         if broadcast != "frames" and compressor is None:
             raise ValueError(f"broadcast {broadcast!r} needs the coordinator's compressor")
+        if passes < 1:
+            raise ValueError(f"passes must be at least 1, got {passes}")
         self.broadcast = broadcast
         self.compressor = compressor
+        self.passes = passes  # frames the aggregate goes out as (coordinator.broadcast_passes)
         self._compressed = False  # the last step compressed: discard() undoes it
+        self._before: list[Tensor] | None = None  # passes > 1: the error feedback before the last step
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         weights, mode = mean_weights(decision, self.aggregation)
@@ -152,19 +156,31 @@ class SparseLoCoOuter(OuterOptimizer):
         as_frames = Update(frames, mode, -self.lr)
         if self.broadcast == "frames" or not frames:
             return as_frames
-        data = self.compressor.compress_aggregate([f.frame for f in frames], [f.weight for f in frames],
-                                                  mode=mode, round=round, sender=COORDINATOR_SENDER)
-        if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= len(data):
-            self.compressor.restore()
-            return as_frames
+        c = self.compressor
+        if self.passes > 1:  # one compress can be undone by the compressor; several by this copy
+            c.ensure_state()
+            self._before = [e.clone() for e in c.error_live()]
+        sent = [c.compress_aggregate([f.frame for f in frames], [f.weight for f in frames],
+                                     mode=mode, round=round, sender=COORDINATOR_SENDER)]
+        for _ in range(1, self.passes):  # what the frames before left out: no new input
+            sent.append(c.compress_aggregate([], [], mode="sum", round=round, sender=COORDINATOR_SENDER))
         self._compressed = True
-        frame = UpdateFrame(COORDINATOR_SENDER, 1.0, data, decode_frame(data, self.layout))
-        return Update([frame], "sum", -self.lr, tuple(frames), mode)
+        if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= sum(len(d) for d in sent):
+            self.discard()
+            return as_frames
+        out = [UpdateFrame(COORDINATOR_SENDER, 1.0, d, decode_frame(d, self.layout)) for d in sent]
+        return Update(out, "sum", -self.lr, tuple(frames), mode)
 
     def discard(self) -> None:
-        if self._compressed:
+        if not self._compressed:
+            return
+        if self._before is not None:
+            for e, before in zip(self.compressor.error_live(), self._before, strict=True):
+                e.copy_(before)
+            self._before = None
+        else:
             self.compressor.restore()
-            self._compressed = False
+        self._compressed = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"broadcast_error_feedback": self.compressor.state_dict()} if self.compressor else {}
@@ -224,7 +240,7 @@ def make_outer(cfg: RunConfig, layout: Layout) -> OuterOptimizer:
     if method == "sparseloco":
         broadcast = cfg.coordinator.broadcast
         compressor = broadcast_compressor(cfg, layout) if broadcast != "frames" else None
-        return SparseLoCoOuter(layout, cfg.outer, broadcast, compressor)
+        return SparseLoCoOuter(layout, cfg.outer, broadcast, compressor, cfg.coordinator.broadcast_passes)
     if method == "diloco":
         return DiLoCoOuter(layout, cfg.outer, cfg.compression.dense_dtype)
     raise ValueError(f"compression.method {method!r} is not one of sparseloco, diloco")

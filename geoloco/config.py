@@ -39,6 +39,7 @@ AGGREGATIONS = ("mean", "mean_kept")
 OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
 AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
 BROADCASTS = ("frames", "aggregate", AUTO)  # coordinator.broadcast
+MAX_BROADCAST_PASSES = 4  # coordinator.broadcast_passes
 PARTITIONINGS = ("iid", "contiguous")
 STDLIB_CORPUS = "stdlib"  # task.data naming the running Python's standard-library sources
 PROGRESS_STYLES = ("auto", "bar", "lines")
@@ -237,6 +238,10 @@ class CoordinatorConfig:
     broadcast: str = "frames"
     # the aggregate's top-k density; None: twice the workers' compression.density
     broadcast_density: float | None = None
+    # frames the aggregate is sent as: the first compresses it, each further one what the
+    # frames before it left out, its two-bit quantization error included (the same error
+    # feedback, no new input), so a coordinate may be sent with more levels than one frame's
+    broadcast_passes: int = 1
 
 
 @dataclass
@@ -606,6 +611,7 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_choice("coordinator.broadcast", co.broadcast, BROADCASTS)
     if co.broadcast_density is not None:
         _check_range("coordinator.broadcast_density", co.broadcast_density, 1 / 4096, 1.0)
+    _check_range("coordinator.broadcast_passes", co.broadcast_passes, 1, MAX_BROADCAST_PASSES)
     if co.token is not None and not co.token.strip():
         raise ConfigError("coordinator.token must not be empty")
     if co.worker_tokens_file is not None and (not isinstance(co.worker_tokens_file, str) or not co.worker_tokens_file):

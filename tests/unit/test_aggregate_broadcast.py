@@ -168,3 +168,40 @@ def test_compress_aggregate_is_compress_of_the_aggregate_bit_for_bit(backend: st
             dense.restore()
             assert fused.compress_aggregate(frames, weights, mode=mode, round=r, sender=COORDINATOR_SENDER) == want
             dense.compress(aggregate(lay, frames, weights, mode=mode), round=r, sender=COORDINATOR_SENDER)
+
+
+def test_a_second_pass_sends_what_the_first_left_out_and_is_undone_with_it() -> None:
+    """coordinator.broadcast_passes = 2: the second coordinator frame compresses the error
+    feedback the first left (no new input), so the two together come closer to the exact
+    aggregate than one; nothing is lost (decay 1), a discarded update puts the error
+    feedback back as it was before both, and a replay makes the same two frames."""
+    lay = layout()
+    cfg = run_config("aggregate", broadcast_passes=2)
+    one, two = make_outer(run_config("aggregate"), lay), make_outer(cfg, lay)
+    arrivals = worker_frames(lay, 8, 0)
+    exact = aggregate(lay, [a.frame for a in arrivals], [1.0] * 8, mode="mean_kept")
+    single, double = step(one, arrivals, 0), step(two, arrivals, 0)
+    assert [f.sender for f in double.frames] == [COORDINATOR_SENDER] * 2 and double.aggregated
+    assert double.frames[0].data == single.frames[0].data  # the first pass is the one-pass frame
+
+    def miss(update) -> float:
+        params = [torch.zeros(s.shape) for s in lay.specs]
+        apply_update(params, update)
+        return sum(((p - update.alpha * u) ** 2).sum().item() for p, u in zip(params, exact, strict=True))
+
+    assert miss(double) < 0.8 * miss(single)
+    params = [torch.zeros(s.shape) for s in lay.specs]
+    apply_update(params, double)
+    held = [e.view(s.shape) for e, s in zip(two.compressor.error, lay.specs, strict=True)]
+    for p, e, u in zip(params, held, exact, strict=True):  # applied + held is the exact update
+        torch.testing.assert_close(p + double.alpha * e, double.alpha * u, rtol=0, atol=1e-6)
+    closed = ClosedRound(pb.RoundHeader(frames=[pb.FrameInfo(sender=f.sender) for f in double.frames]), (), {})
+    assert broadcast_of(closed) == "aggregate"
+
+    before = [e.clone() for e in two.compressor.error]
+    again = step(two, worker_frames(lay, 8, 1), 1)
+    two.discard()
+    assert all(torch.equal(a, b) for a, b in zip(two.compressor.error, before, strict=True))
+    assert [f.data for f in step(two, worker_frames(lay, 8, 1), 1).frames] == [f.data for f in again.frames]
+    with pytest.raises(ConfigError, match="broadcast_passes"):
+        run_config("aggregate", broadcast_passes=0)
