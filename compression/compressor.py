@@ -232,10 +232,16 @@ class Compressor:
         if frame.kind != "sparse" or frame.layout != self.layout:
             raise ValueError(f"{frame!r} is not a sparse frame of this compressor's layout")
         self._ensure_state(self.device or torch.device("cpu"))
-        w = torch.tensor(weight, dtype=torch.float32)
         for j in self._live:
-            e = self.error[j]
-            e.index_add_(0, frame.indices[j].to(e.device), frame.values[j].to(e.device) * w.to(e.device))
+            self.add_kept(j, frame.indices[j], frame.values[j], weight)
+
+    def add_kept(self, j: int, indices: torch.Tensor, values: torch.Tensor, weight: float) -> None:
+        """``e_j += fp32(weight) * values`` at the flat ``indices`` of tensor j's error
+        feedback (made first if it is not yet)."""
+        self._ensure_state(self.device or torch.device("cpu"))
+        e = self.error[j]
+        w = torch.tensor(weight, dtype=torch.float32, device=e.device)
+        e.index_add_(0, indices.to(e.device), values.to(e.device) * w)
 
     def _encoder(self, device: torch.device) -> SparseEncoder:
         chosen = encoding_backend(self.backend, device)

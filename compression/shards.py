@@ -170,13 +170,10 @@ class ShardCompressor:
     def add_kept(self, indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], weight: float) -> None:
         """``e += fp32(weight) * v`` at each kept (flat index, value) of the whole layout's
         tensors (a sparse frame's ``indices`` and ``values``) that falls in this rank's pieces."""
-        c = self.compressor
-        c.ensure_state()
-        w = torch.tensor(weight, dtype=torch.float32)
         for j, p in enumerate(self.pieces):
-            e, idx, vals = c.error[j], indices[p.tensor], values[p.tensor]
+            idx, vals = indices[p.tensor], values[p.tensor]
             mine = (idx >= p.start) & (idx < p.stop)
-            e.index_add_(0, (idx[mine] - p.start).to(e.device), vals[mine].to(e.device) * w.to(e.device))
+            self.compressor.add_kept(j, idx[mine] - p.start, vals[mine], weight)
 
     def reset(self) -> None:
         """Error feedback from zero (a restore the island could not make on every rank)."""

@@ -115,7 +115,7 @@ class IslandFrameEncoder(FrameEncoder):
                  density: float | None = None) -> None:
         super().__init__(layout, compression, undoable, density)
         self.island = island
-        self.shard = island_shard(island, layout, compression, undoable, density)
+        self.shard = island_shard(island, layout, compression, like=self.compressor)  # no buffers made yet
         self.compressor = self.shard.compressor
 
     def encode(self, message: list[Tensor], round_: int, sender: int) -> bytes:
@@ -133,10 +133,11 @@ class IslandFrameEncoder(FrameEncoder):
 
 
 def island_shard(island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
-                 density: float | None = None) -> ShardCompressor:
+                 density: float | None = None, like: Compressor | None = None) -> ShardCompressor:
     """This rank's share of its island's compressor (compression.shards.split_layout over the
-    island's ranks, with the run's codec parameters): every rank makes the same split."""
-    like = _compressor(layout, compression, undoable, density)
+    island's ranks, with the run's codec parameters, or ``like``'s): every rank makes the
+    same split."""
+    like = like if like is not None else _compressor(layout, compression, undoable, density)
     pieces = split_layout(layout, island.size, like.tile, per_chunk=like.table == "chunk")
     return ShardCompressor(layout, pieces[island.rank], like)
 
