@@ -198,7 +198,10 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     ``none`` folds each result before the next round trains (the same as ``simulate``).
     ``densities``: each worker's fixed top-k density (what compression.density "auto"
     chose in a real run), else cfg.compression.density. The validation loss is scored after
-    each of the last ``val_tail`` results (every result with ``val_every_round``)."""
+    each of the last ``val_tail`` results (every result with ``val_every_round``).
+    Under cfg.outer.fold_step k the late result is folded in before inner step k of the
+    next phase, and every worker's phase moves on from the global track with the steps it
+    took so far (InnerTrainer's ``fold``), as Worker.fold_mid_phase does."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -212,7 +215,7 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
                          FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
                                       density=densities[i] if densities else None))
                for i in range(cfg.workers)]
-    mode, scale = cfg.outer.overlap, standin_scale(cfg)
+    mode, fold_step = cfg.outer.overlap, cfg.outer.fold_step
     running = [params] * cfg.workers
     pending: tuple | None = None  # (decision, update, frames) of the round in flight
     result = Result()
@@ -221,12 +224,16 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
             fold(params, policy, workers, *pending)
             pending = None
         tasks = [worker_task(code, i, t, cfg.rounds) for i in range(cfg.workers)]
-        trained = [train_round(w, running[i], tasks[i], t) for i, w in enumerate(workers)]
-        if pending is not None:
+        late_in = None
+        if pending is not None and fold_step is not None:
+            late_in = (fold_step, fold_once(params, policy, workers, pending))
+        trained = [train_round(w, running[i], tasks[i], t, late_in) for i, w in enumerate(workers)]
+        if pending is not None and late_in is None:
             fold(params, policy, workers, *pending)
         frames = [w.encoder.encode(w.deltas.message(tasks[i]), t, i) for i, w in enumerate(workers)]
         if mode != "none":
-            running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]], scale)
+            running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]],
+                                    standin_scale(cfg, len(trained[i])), copy=fold_step is not None)
                        for i, w in enumerate(workers)]
         late = stragglers(t)
         decision = close(policy, [i for i in range(cfg.workers) if i not in late] + late, late)
@@ -243,13 +250,29 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     return result
 
 
-def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int) -> list[int]:
-    """One worker's inner phase of round ``t`` from ``theta``: the partitions it trained."""
+def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int,
+                late_in: tuple[int, Callable[[], list[torch.Tensor]]] | None = None) -> list[int]:
+    """One worker's inner phase of round ``t`` from ``theta``: the partitions it trained.
+    ``late_in``: InnerTrainer.train_partition's ``fold``."""
     partitions = worker.deltas.to_train(task)
     for p in partitions:
-        delta, _ = worker.trainer.train_partition(theta, p, t)
+        delta, _ = worker.trainer.train_partition(theta, p, t, fold=late_in)
         worker.deltas.keep(p, delta)
     return partitions
+
+
+def fold_once(params: list[torch.Tensor], policy: ClosePolicy, workers: list[SimWorker],
+              pending: tuple) -> Callable[[], list[torch.Tensor]]:
+    """The global track after ``pending`` is folded in, folding it at the first call: the
+    mid-phase fold of every worker's phase (cfg.outer.fold_step)."""
+    folded = []
+
+    def global_track() -> list[torch.Tensor]:
+        if not folded:
+            fold(params, policy, workers, *pending)
+            folded.append(True)
+        return params
+    return global_track
 
 
 def fold(params: list[torch.Tensor], policy: ClosePolicy, workers: list[SimWorker], decision: Decision,

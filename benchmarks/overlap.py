@@ -12,6 +12,7 @@ settings (benchmarks/parity_tuned.json) over several seeds, paired by seed again
     python -m benchmarks.overlap            # 4 workers, H=15, 10 rounds; loss: 5 seeds x 40 rounds
     python -m benchmarks.overlap --loss-only --seeds 3                 # the loss part alone
     python -m benchmarks.overlap --loss-only --set outer.lr=0.5        # ... at another outer lr
+    python -m benchmarks.overlap --loss-only --set outer.fold_step=7   # ... folding mid-phase
     python -m benchmarks.overlap --quick    # one regime, 2 workers, H=2, 3 rounds, 1 seed: a smoke test
 """
 
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
+        if args.loss_only:
+            args.regimes = {}
     if args.rounds <= args.warmup_rounds:
         p.error("--rounds must exceed --warmup-rounds")
     return args
@@ -179,7 +182,11 @@ def run_losses(jobs: list[tuple[RunConfig, list[float] | None]], n_jobs: int) ->
 
 
 def loss_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
-    return load_config(overrides={**loss_overrides(args, args.loss_workers, seed), "outer.overlap": mode})
+    """A loss run of ``mode``; an outer.fold_step of --set is the overlapped arms' alone."""
+    overrides = {**loss_overrides(args, args.loss_workers, seed), "outer.overlap": mode}
+    if mode == "none":
+        overrides.pop("outer.fold_step", None)
+    return load_config(overrides=overrides)
 
 
 def losses_in_process(args: argparse.Namespace) -> dict[str, list[float]]:

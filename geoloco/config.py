@@ -37,6 +37,7 @@ TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special
 DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
 AGGREGATIONS = ("mean", "mean_kept")
 OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
+STANDINS = ("mean", "share")  # outer.standin: what eager's stand-in scales the own pseudo-gradient by
 AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
 BROADCASTS = ("frames", "aggregate", AUTO)  # coordinator.broadcast
 MAX_BROADCAST_PASSES = 4  # coordinator.broadcast_passes
@@ -147,6 +148,15 @@ class OuterConfig:
     # the next inner phase starts from them plus the worker's own pseudo-gradient as a
     # stand-in for round t's update (Kale, Douillard and Donchev 2025, arXiv 2502.12996)
     overlap: str = "none"
+    # eager's stand-in: mean: the worker's own pseudo-gradient stands in for the round's
+    # mean, times the outer step's response (-lr; Nesterov: -lr (1 + momentum)); share: its
+    # 1/n share of that mean, as in Kale et al. (measured: docs/decisions.md, "Overlapped rounds")
+    standin: str = "mean"
+    # under overlap, when the late result of round t is folded in: None: at the end of
+    # round t+1's inner phase; k: before its inner step k, waiting for the result there if it
+    # is not in yet, the steps taken so far moved onto the global track (the rest of the
+    # phase trains from it; for a transfer that takes about k of the H steps' time)
+    fold_step: int | None = None
 
 
 @dataclass
@@ -431,7 +441,25 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check_range("guard.reject_ratio", cfg.guard.reject_ratio, cfg.guard.clip_ratio, 1e12)
     _check_range("guard.reference_rounds", cfg.guard.reference_rounds, 0, 10**6)
     _check_range("guard.min_reference_workers", cfg.guard.min_reference_workers, 1, 10**6)
+    _check_fold_step(cfg)
     return cfg
+
+
+def _check_fold_step(cfg: RunConfig) -> None:
+    """outer.fold_step: a whole inner step inside the phase, under overlap, in a worker of
+    one process."""
+    step = cfg.outer.fold_step
+    if step is None:
+        return
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step < cfg.inner.steps:
+        raise ConfigError(f"outer.fold_step: {step!r} is not an inner step from 1 to {cfg.inner.steps - 1} "
+                          f"(inner.steps is {cfg.inner.steps}; unset: fold at the end of the phase)")
+    if cfg.outer.overlap == "none":
+        raise ConfigError("outer.fold_step needs outer.overlap 'delayed' or 'eager' (without overlap every "
+                          "result is in before the next phase starts)")
+    if cfg.worker.nproc_per_node > 1:
+        raise ConfigError("outer.fold_step is not supported in a worker of several ranks "
+                          "(worker.nproc_per_node > 1): unset it, and the island folds at the end of the phase")
 
 
 def _check_run_dir(run_dir: Any) -> None:
@@ -547,6 +575,7 @@ def _resolve_outer(outer: OuterConfig, method: str) -> None:
     _check_range("outer.momentum", outer.momentum, 0.0, 0.999)
     _check_choice("outer.aggregation", outer.aggregation, AGGREGATIONS)
     _check_choice("outer.overlap", outer.overlap, OVERLAPS)
+    _check_choice("outer.standin", outer.standin, STANDINS)
 
 
 def _check_coding(coding: CodingConfig, workers: int) -> None:

@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,6 +57,10 @@ STATE_COST_SHARE = 0.05  # worker.state_every None: local state saves take at mo
 
 class Stopped(Exception):
     """stop() was called: the loop ends where it is, without finishing the run."""
+
+
+class FoldAbandoned(Exception):
+    """A mid-phase fold left θ elsewhere than at the phase's round: the phase is dropped."""
 
 
 @dataclass
@@ -187,6 +192,9 @@ class Worker:
         self.pushing: Future[None] | None = None  # that push, on the push thread
         self.running: list[Tensor] | None = None  # overlap: what round + 1's phase trains from
         self.ahead: Trained | None = None  # overlap: round + 1 trained before round's result
+        self.folding: int | None = None  # outer.fold_step: the round whose phase folds mid-way
+        self.folded: bool | None = None  # ... and apply's answer once it folded (None: not yet)
+        self.fold_wait_s = 0.0  # the phase's time in fold_mid_phase, not counted as compute
         self.catching_up = False  # after a resync, reconnect or restore: the next round waits
         self.density = 0.0  # the last frame's density (0: dense)
         self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
@@ -268,19 +276,21 @@ class Worker:
         return task is not None and bool(task.train_partitions or task.send_partitions)
 
     def train(self, task: pb.WorkerTask | None = None, theta: list[Tensor] | None = None,
-              round_: int | None = None) -> Trained:
+              round_: int | None = None, fold: tuple[int, Callable[[], list[Tensor]]] | None = None) -> Trained:
         """H inner steps from θ_r (or ``theta``, for ``round_``) on every partition the task
-        trains; each Δ is kept."""
+        trains; each Δ is kept. ``fold``: InnerTrainer's mid-phase fold (fold_mid_phase),
+        whose wait is not counted as compute."""
         task, theta = task or self.task, self.theta if theta is None else theta
         round_ = self.round if round_ is None else round_
         training, start, losses = self.training, time.monotonic(), []
+        self.fold_wait_s = 0.0
         partitions = training.deltas.to_train(task)
         for p in partitions:
-            delta, loss = training.trainer.train_partition(theta, p, round_, self.stopping)
+            delta, loss = training.trainer.train_partition(theta, p, round_, self.stopping, fold)
             training.deltas.keep(p, delta)
             losses.append(loss)
         mean_loss = sum(losses) / len(losses) if losses else math.nan
-        return Trained(partitions, time.monotonic() - start, mean_loss, round_)
+        return Trained(partitions, time.monotonic() - start - self.fold_wait_s, mean_loss, round_)
 
     # ------------------------------------------------------------------ overlapped rounds
 
@@ -299,22 +309,52 @@ class Worker:
         self.inflight = self.outbox
         self.pushing = self._pusher.submit(self.push, self.outbox)
         own = [self.training.deltas.latest[p] for p in trained.partitions]
-        self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, overlap.standin_scale(cfg))
+        self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, overlap.standin_scale(cfg, len(own)),
+                                            copy=cfg.outer.fold_step is not None)
         log.info("round %d: frame on its way; round %d trains from the running copy (%s)",
                  self.round, self.round + 1, cfg.outer.overlap)
 
     def fold_late(self) -> bool:
         """Train round r + 1 from the running copy while round r's frame and result travel,
         then fold round r's result into θ (the global track) as a plain apply: the digest
-        check of θ_r, the apply, the settlement of round r's frame. True when finished."""
+        check of θ_r, the apply, the settlement of round r's frame; at the end of the phase,
+        or before its inner step outer.fold_step (fold_mid_phase). True when finished."""
         round_, task = self.inflight.round + 1, self.next_task
-        trained = self.train(task, self.running, round_)
+        step = self.training.cfg.outer.fold_step
+        self.folding, self.folded = round_, None
+        try:
+            trained = self.train(task, self.running, round_, None if step is None else (step, self.fold_mid_phase))
+        except FoldAbandoned:
+            return bool(self.folded)  # θ was fetched again, or the run ended: the phase is dropped
         self.emulate_straggler(trained, round_)
         self.ahead = trained
+        if self.folded is not None:
+            return self.folded
+        return self.fold_in()
+
+    def fold_in(self) -> bool:
+        """Round r's result (waited for) into θ; apply's answer."""
         self.finish_push()
         result = self.session.next_result(self.round)
         self.inflight = self.running = None
         return self.apply(result)
+
+    def fold_mid_phase(self) -> list[Tensor]:
+        """Before inner step outer.fold_step of an overlapped phase (InnerTrainer's fold):
+        wait for the round in flight's result and fold it into θ, once; the phase then moves
+        onto θ. A fold that leaves θ elsewhere than at the phase's round (a resync fetched
+        the state, or the run ended) abandons the phase (FoldAbandoned): the next round is
+        played the non-overlapped way."""
+        if self.folded is None:
+            start = time.monotonic()
+            self.folded = self.fold_in()
+            self.fold_wait_s += time.monotonic() - start
+            log.info("round %d's result folded in before inner step %d of round %d (waited %.2fs)",
+                     self.folding - 1, self.training.cfg.outer.fold_step, self.folding, self.fold_wait_s)
+        if self.folded or self.catching_up or self.round != self.folding:
+            log.info("round %d's phase dropped at its fold: θ is at round %d", self.folding, self.round)
+            raise FoldAbandoned(f"round {self.folding}'s phase dropped at its fold")
+        return self.theta
 
     def finish_push(self) -> None:
         """Wait for the push thread's push (its Disconnected is raised here)."""

@@ -107,13 +107,20 @@ class InnerTrainer:
         self.positions: dict[int, BatchIterator] = {}  # each partition's data position
 
     def train_partition(self, theta: list[Tensor] | None, partition: int, round_index: int,
-                        stop: threading.Event | None = None) -> tuple[list[Tensor] | None, float]:
+                        stop: threading.Event | None = None,
+                        fold: tuple[int, Callable[[], list[Tensor]]] | None = None) -> tuple[list[Tensor] | None, float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
         Batches and the learning rate follow the global step ``round × H + step``. Once
         ``stop`` is set, TrainingStopped at the next step (in an island: on every rank, after
         the step's gradient exchange). On an island's other ranks ``theta`` is None (it comes
-        from rank 0) and so is the returned Δ."""
+        from rank 0) and so is the returned Δ. ``fold`` = (k, new start): before step k the
+        start moves to ``new start()`` and the steps taken so far move with it (the model
+        gains new − old); Δ is then taken from the new start, which must not change until
+        this returns (an overlapped round's late result folded in mid-phase; not in an
+        island)."""
         island = self.island
+        if fold is not None and island is not None:
+            raise ValueError("a mid-phase fold is not supported in an island")
         if island is not None and island.leader:
             island.send("train", partition, round_index)
         if island is not None and island.sharded:
@@ -126,6 +133,8 @@ class InnerTrainer:
         batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
         for step in range(self.inner.steps):
+            if fold is not None and step == fold[0]:
+                theta = self._move_start(theta, fold[1]())
             stopping = stop is not None and stop.is_set()
             if stopping and island is None:
                 raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")
@@ -135,6 +144,14 @@ class InnerTrainer:
         if theta is None:
             return None, sum(losses) / len(losses)
         return self._deltas(theta, ends), sum(losses) / len(losses)
+
+    def _move_start(self, old: list[Tensor], new: list[Tensor]) -> list[Tensor]:
+        """The model plus (new − old), element by element in fp32: the steps taken from
+        ``old`` now count from ``new``. Returns ``new``."""
+        with torch.no_grad():
+            for p, a, b in zip(self.params, old, new, strict=True):
+                p.copy_((p.float() + (b.to(p.device, torch.float32) - a.to(p.device, torch.float32))).to(p.dtype))
+        return new
 
     def _batches(self, partition: int, step: int) -> BatchIterator:
         """The partition's batch iterator at ``step``: the round decides where a partition's

@@ -4,11 +4,13 @@ sequential in-process computation of the same updates (benchmarks/inprocess.py,
 simulate_overlap), which differ from the non-overlapped run's; a worker SIGKILLed during
 an overlapped round comes back (a new process takes its dead slot, catches up without
 overlap) and agrees; a coordinator killed and resumed during an overlapped run continues
-with equal digests. Cost: three local runs of 2 workers (about 25 s each) and two runs of
+with equal digests, with the late result folded in at the end of the phase or mid-phase
+(outer.fold_step). Cost: five local runs of 2 workers (about 15 s each) and three runs of
 3 processes (about 60 s each)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -34,13 +36,18 @@ OVERLAP = {**SMALL, "task.seq_len": "16", "task.batch_size": "4", "inner.steps":
            "outer.overlap": "eager"}
 
 
-@pytest.mark.parametrize(("method", "mode"), [("sparseloco", "eager"), ("sparseloco", "delayed"),
-                                              ("diloco", "eager")])
-def test_overlapped_run_equals_the_sequential_computation(method: str, mode: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("method", "mode", "fold_step"), [
+    ("sparseloco", "eager", None), ("sparseloco", "delayed", None), ("diloco", "eager", None),
+    ("sparseloco", "eager", 1), ("sparseloco", "delayed", 1)])
+def test_overlapped_run_equals_the_sequential_computation(method: str, mode: str, fold_step: int | None,
+                                                          tmp_path: Path) -> None:
+    """fold_step 1: each late result is folded in after the first of the phase's 2 inner
+    steps, and the second trains from the global track."""
     cfg = load_config(overrides={
         "workers": 2, "rounds": 4, "inner.steps": 2, "task.seq_len": 16, "task.batch_size": 2,
         "task.val_windows": 2, "network.wan": "unlimited", "coordinator.checkpoint_every": 0,
         "run_dir": str(tmp_path / "run"), "compression.method": method, "outer.overlap": mode,
+        "outer.fold_step": fold_step,
     })
     assert run_local(cfg).ok
     run = tmp_path / "run"
@@ -51,10 +58,15 @@ def test_overlapped_run_equals_the_sequential_computation(method: str, mode: str
     assert len(metrics(run)) == 4
     logs = (run / "logs" / "worker-0.log").read_text()
     assert "trains from the running copy" in logs  # the rounds did overlap
+    assert ("folded in before inner step" in logs) == (fold_step is not None)
     result = simulate_overlap(cfg)
     assert [r["digest"] for r in reports] == [result.digest] * 2
     assert result.final_val_loss == summary["final_val_loss"]
-    cfg.outer.overlap = "none"
+    if fold_step is not None:
+        at_end = copy.deepcopy(cfg)
+        at_end.outer.fold_step = None
+        assert simulate_overlap(at_end).digest != result.digest  # the fold's step changed it
+    cfg.outer.overlap, cfg.outer.fold_step = "none", None
     assert simulate(cfg).digest != result.digest  # the overlap changed the computation
 
 
@@ -103,12 +115,16 @@ def test_sigkilled_worker_comes_back_and_agrees(processes: Processes, tmp_path: 
     assert "trains from the running copy" in processes.log("worker-new")  # overlapping again
 
 
+@pytest.mark.parametrize("fold_step", [None, 2])
 def test_coordinator_killed_and_resumed_continues_with_equal_digests(
-    processes: Processes, tmp_path: Path
+    processes: Processes, tmp_path: Path, fold_step: int | None
 ) -> None:
+    """fold_step 2: the workers wait for the round in flight mid-phase, inside the inner
+    loop, when the coordinator dies."""
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
     rounds = 7
-    extra = {"coordinator.checkpoint_every": "1", "coordinator.deadline_s": "60"}
+    extra = {"coordinator.checkpoint_every": "1", "coordinator.deadline_s": "60",
+             **({"outer.fold_step": str(fold_step)} if fold_step is not None else {})}
     start_coordinator(processes, run_dir, "127.0.0.1:0", rounds, extra)
     listen = f"127.0.0.1:{coordinator_port(run_dir)}"  # the port it bound: the resume binds it again
     for i in range(WORKERS):
@@ -132,6 +148,8 @@ def test_coordinator_killed_and_resumed_continues_with_equal_digests(
     lines = metrics(run_dir)
     assert sorted(m["round"] for m in lines) == list(range(rounds))
     assert all(m["digest_mismatches_by_worker"].get(str(w), 0) == 0 for m in lines for w in range(WORKERS))
+    if fold_step is not None:
+        assert all("folded in before inner step 2" in processes.log(f"worker-{i}") for i in range(WORKERS))
 
 
 @pytest.mark.parametrize("scheme", ["none", "gc-fr"])

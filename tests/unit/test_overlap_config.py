@@ -56,3 +56,15 @@ def test_a_typed_density_must_be_a_number_or_auto() -> None:
 def load_config_dict(data: dict) -> RunConfig:
     from geoloco.config import validate
     return validate(RunConfig.from_dict(data))
+
+
+def test_fold_step_is_an_inner_step_under_overlap_in_a_one_process_worker() -> None:
+    cfg = load_config(overrides={"outer.overlap": "delayed", "inner.steps": "8", "outer.fold_step": "3"})
+    assert cfg.outer.fold_step == 3 and RunConfig.from_dict(cfg.to_dict()).outer.fold_step == 3
+    assert load_config().outer.fold_step is None
+    for bad, message in [({"outer.fold_step": "8"}, "from 1 to 7"), ({"outer.fold_step": "0"}, "from 1 to 7"),
+                         ({"outer.fold_step": "1.5"}, "not a valid int"),
+                         ({"outer.overlap": "none", "outer.fold_step": "2"}, "needs outer.overlap"),
+                         ({"worker.nproc_per_node": "2", "outer.fold_step": "2"}, "several ranks")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides={"outer.overlap": "eager", "inner.steps": "8", **bad})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from geoloco.compression import Compressor, Layout, decode_frame
-from geoloco.config import load_config
+from geoloco.config import ConfigError, load_config
 from geoloco.replica import apply_round, param_digest
 from geoloco.worker.overlap import running_copy, standin_scale
 
@@ -39,11 +39,17 @@ def test_eager_adds_the_scaled_own_pseudo_gradients_to_a_copy() -> None:
         running_copy("none", track, [d1], -0.25)
 
 
-def test_standin_scale_is_the_outer_steps_response_to_one_share() -> None:
-    sparse = load_config(overrides={"workers": 4, "outer.overlap": "eager"})
-    assert standin_scale(sparse) == -1.0 / 4
+def test_standin_scale_is_the_outer_steps_response_to_what_the_own_pseudo_gradient_stands_for() -> None:
+    sparse = load_config(overrides={"workers": 4, "outer.overlap": "eager", "outer.lr": 0.75})
+    assert sparse.outer.standin == "mean"
+    assert standin_scale(sparse) == -0.75  # the worker's own pseudo-gradient for the round's mean
+    assert standin_scale(sparse, parts=3) == pytest.approx(-0.25)  # the mean over its 3 partitions
+    share = load_config(overrides={"workers": 4, "outer.overlap": "eager", "outer.standin": "share"})
+    assert standin_scale(share) == standin_scale(share, parts=3) == -1.0 / 4  # Kale et al.'s 1/n each
     dense = load_config(overrides={"workers": 2, "compression.method": "diloco"})
-    assert standin_scale(dense) == pytest.approx(-0.7 * 1.9 / 2)
+    assert standin_scale(dense) == pytest.approx(-0.7 * 1.9)
+    with pytest.raises(ConfigError, match="outer.standin"):
+        load_config(overrides={"outer.standin": "half"})
 
 
 def test_a_late_result_is_folded_in_exactly() -> None:

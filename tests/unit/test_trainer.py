@@ -81,3 +81,34 @@ def test_training_from_the_updated_parameters_lowers_the_loss() -> None:
         losses.append(loss)
         theta = [t - d for t, d in zip(theta, deltas, strict=True)]  # outer SGD, lr 1
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+@pytest.mark.slow
+def test_a_mid_phase_fold_moves_the_steps_taken_onto_the_new_start() -> None:
+    """``fold=(k, new)``: before step k the model gains new − old and Δ counts from new.
+    A fold to the same start changes nothing, bit for bit; a fold before the first step is
+    training from the new start (up to the fp32 rounding of old + (new − old)); after a
+    fold mid-phase, Δ is the new start minus the phase's end, and the last steps, taken
+    from moved parameters, make another Δ than the unfolded phase's."""
+    task = build_task(TASK, 2, seed=1)
+    inner = InnerConfig(steps=4, lr=1e-3, warmup_steps=0)
+
+    def trainer() -> InnerTrainer:
+        torch.manual_seed(0)
+        return InnerTrainer(task, inner, rounds=2, device=torch.device("cpu"))
+
+    base = trainer()
+    old = [p.detach().clone() for p in base.params]
+    new = [t + 0.01 * torch.randn_like(t) for t in old]
+    plain, _ = base.train_partition(old, 0, 0)
+    same, _ = trainer().train_partition(old, 0, 0, fold=(2, lambda: [t.clone() for t in old]))
+    assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
+    from_new, _ = trainer().train_partition(new, 0, 0)
+    at_zero, _ = trainer().train_partition(old, 0, 0, fold=(0, lambda: new))
+    for a, b in zip(from_new, at_zero, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    folded = trainer()
+    delta, _ = folded.train_partition(old, 0, 0, fold=(2, lambda: new))
+    for n, d, p in zip(new, delta, folded.params, strict=True):
+        torch.testing.assert_close(n - d, p.detach())  # Δ counts from the new start
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(delta, plain, strict=True))
