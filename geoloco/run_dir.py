@@ -9,6 +9,7 @@ process writes a file (a reader sees the old file or the whole new one, POSIX re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,10 +17,10 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from geoloco.config import DEFAULT_RUN_DIR, ConfigError
 
@@ -88,31 +89,41 @@ def write_atomic(path: str | Path, data: bytes | bytearray | memoryview | str,
                  mode: int = DEFAULT_MODE, durable: bool = True) -> Path:
     """Write ``data`` (text is UTF-8) to ``path`` through a temporary file beside it,
     created with ``mode`` (0o600: readable by its owner only, from the first byte), then
-    renamed into place; the temporary file is created anew and never through a link, so
-    a link planted at its name redirects nothing. ``durable``: the file is fsynced before the rename and its folder
-    after, so the new file survives a power cut as well as a kill. A failed write removes
-    the temporary file and raises the OSError; the old file, if any, is untouched."""
+    renamed into place (``open_atomic``). A failed write removes the temporary file and
+    raises the OSError; the old file, if any, is untouched."""
+    payload = data.encode() if isinstance(data, str) else data
+    with open_atomic(path, mode, durable) as f:
+        view, written = memoryview(payload), 0
+        while written < len(view):
+            written += f.write(view[written:])
+    return Path(path)
+
+
+@contextlib.contextmanager
+def open_atomic(path: str | Path, mode: int = DEFAULT_MODE, durable: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to write ``path``'s new content into, streamed (torch.save, say):
+    a temporary file beside ``path``, created anew with ``mode`` and never through a link
+    (a link planted at its name redirects nothing), renamed into place when the block ends.
+    ``durable``: the file is fsynced before the rename and its folder after, so the new
+    file survives a power cut as well as a kill. An exception in the block or an OSError
+    removes the temporary file and propagates; the old file, if any, is untouched."""
     path = Path(path)
     tmp = temp_path(path)
-    payload = data.encode() if isinstance(data, str) else data
     tmp.unlink(missing_ok=True)  # left by a cut-off write of this pid (a link is removed, not followed)
     try:
         # made anew (O_EXCL), never through a link planted at its name (O_NOFOLLOW)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         with os.fdopen(fd, "wb") as f:
-            view, written = memoryview(payload), 0
-            while written < len(view):
-                written += f.write(view[written:])
+            yield f
             f.flush()
             if durable:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError:
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     if durable:
         fsync_path(path.parent)
-    return path
 
 
 def fsync_path(path: Path) -> None:

@@ -357,14 +357,15 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
             if isinstance(v, Tensor) and v.dim() > 0]
 
 
-def cpu_state(value: Any) -> Any:
-    """``value`` with every tensor moved to the CPU (what rank 0 sends to the others)."""
+def cpu_state(value: Any, copy: bool = False) -> Any:
+    """``value`` with every tensor moved to the CPU (what rank 0 sends to the others), or
+    copied there (``copy``: a snapshot no later in-place step changes)."""
     if isinstance(value, Tensor):
-        return value.cpu()
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, dict):
-        return {k: cpu_state(v) for k, v in value.items()}
+        return {k: cpu_state(v, copy) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(cpu_state(v) for v in value)
+        return type(value)(cpu_state(v, copy) for v in value)
     return value
 
 

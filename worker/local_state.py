@@ -1,14 +1,16 @@
 """A worker's own state on its own disk, so that a restarted worker carries on: the error
 feedback (SparseLoCo's residual, arXiv 2508.15706), the inner AdamW state, each partition's
 data position and latest pseudo-gradient, and the RNG state; one file per worker id,
-written atomically (docs/protocol.md, "Stopping and restarting"). In an island under
+written atomically (docs/protocol.md, "Stopping and restarting"), on a thread of its own
+(``StateWriter``) from a copy taken between rounds. In an island under
 ``fsdp`` each rank's shard of the AdamW state, and under SparseLoCo of the error feedback,
 is its own: rank 0's in that file, every other rank's in a file beside it (``rank_path``)."""
 
 from __future__ import annotations
 
-import io
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,8 @@ import torch
 
 from geoloco.compression import Compressor
 from geoloco.compression.shards import ShardCompressor
-from geoloco.run_dir import write_atomic
+from geoloco.run_dir import open_atomic
+from geoloco.worker.island import cpu_state
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +45,6 @@ def rank_path(path: Path, rank: int, round_: int) -> Path:
 SHARDS_KEPT = 2
 
 
-def _write(path: Path, state: dict) -> None:
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, buffer.getbuffer(), mode=PRIVATE_MODE)
-
-
 def _read(path: Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -62,20 +58,76 @@ def _read(path: Path) -> dict:
 def save(path: Path, training: Any, round_: int) -> None:
     """Write ``training``'s state at the start of ``round_`` to ``path`` (write_atomic,
     readable by its owner only)."""
+    write_snapshot(path, snapshot(training, round_))
+
+
+def snapshot(training: Any, round_: int) -> dict:
+    """``training``'s state at the start of ``round_``, as CPU tensors of its own: training
+    may go on while it is written (StateWriter)."""
     trainer, compressor = training.trainer, training.encoder.compressor
-    state = {
+    return {
         "format_version": FORMAT_VERSION,
         "round": round_,
         "layout_digest": training.layout.digest.hex(),
         "data_fingerprint": training.cfg.task.data_fingerprint,
-        "error_feedback": compressor.state_dict() if isinstance(compressor, Compressor) else None,
-        "optimizer": trainer.optimizer_state(),
+        # state_dict's buffers are copies already
+        "error_feedback": cpu_state(compressor.state_dict()) if isinstance(compressor, Compressor) else None,
+        "optimizer": cpu_state(trainer.optimizer_state(), copy=True),
         "optimizer_shard": trainer.optimizer_shard(),
-        "data": trainer.data_state(),
-        "latest": training.deltas.latest,
+        "data": cpu_state(trainer.data_state(), copy=True),
+        "latest": cpu_state(training.deltas.latest, copy=True),
         "rng": torch.get_rng_state(),
     }
-    _write(path, state)
+
+
+def write_snapshot(path: Path, state: dict) -> None:
+    """A ``snapshot`` to ``path``, serialized straight into the file (no second copy in memory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open_atomic(path, mode=PRIVATE_MODE) as f:
+        torch.save(state, f)
+
+
+class StateWriter:
+    """Writes a worker's ``snapshot``s on a thread of its own, one at a time, so that between
+    two rounds a save costs only the copy: under outer.overlap the next inner phase waits on
+    that time, and the write (serialization, fsync) took 4-9 % of a round of gpt-tiny.
+    ``outcome`` gives a finished write's seconds, or raises its OSError; ``close`` waits for
+    the write in flight, so a worker that stops or finishes leaves its last state whole."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-state")
+        self._pending: Future[float] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A write is in flight."""
+        return self._pending is not None and not self._pending.done()
+
+    @property
+    def pending(self) -> bool:
+        """A write was submitted and its outcome not taken yet."""
+        return self._pending is not None
+
+    def submit(self, path: Path, state: dict) -> None:
+        """Write ``state`` to ``path`` on the writer's thread (after the write before it:
+        take its ``outcome`` first)."""
+        if self._pending is not None:
+            raise RuntimeError("the previous local state write's outcome was not taken")
+        self._pending = self._pool.submit(_timed_write, path, state)
+
+    def outcome(self) -> float | None:
+        """Wait for the write in flight; its seconds (None if there was none), or its OSError."""
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _timed_write(path: Path, state: dict) -> float:
+    start = time.monotonic()
+    write_snapshot(path, state)
+    return time.monotonic() - start
 
 
 def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str,
@@ -84,7 +136,7 @@ def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: 
     ``round_``, and of the error feedback (``shard``, under SparseLoCo), beside rank 0's
     file ``main`` (``rank_path``); its shards of older rounds but the last SHARDS_KEPT go."""
     path = rank_path(main, rank, round_)
-    _write(path, {"format_version": FORMAT_VERSION, "round": round_, "layout_digest": layout_digest,
+    write_snapshot(path, {"format_version": FORMAT_VERSION, "round": round_, "layout_digest": layout_digest,
                   "optimizer_shard": trainer.optimizer_shard(), "optimizer": trainer.optimizer_state(),
                   "error_feedback": shard.state_dict() if shard is not None else None})
     pattern = rank_path(main, rank, 0).name.replace(".round-0.", ".round-*.")

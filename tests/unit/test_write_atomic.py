@@ -87,3 +87,16 @@ def _is_file_call(node: ast.Call) -> bool:
 
 def test_every_writer_goes_through_write_atomic() -> None:
     assert writes_outside_write_atomic() == []
+
+
+def test_a_streamed_write_lands_whole_or_not_at_all(tmp_path: Path) -> None:
+    target = tmp_path / "worker-0.state.pt"
+    with run_dir.open_atomic(target, mode=0o600) as f:
+        f.write(b"first ")
+        f.write(b"state")
+    assert target.read_bytes() == b"first state"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    with pytest.raises(RuntimeError, match="serializer failed"), run_dir.open_atomic(target) as f:
+        f.write(b"half of the next")
+        raise RuntimeError("serializer failed")
+    assert target.read_bytes() == b"first state" and not list(tmp_path.glob(".*"))
