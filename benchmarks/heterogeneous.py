@@ -100,7 +100,7 @@ def loss_config(args: argparse.Namespace, arm: str, seed: int) -> RunConfig:
 
 
 def measure(cfg: RunConfig, warmup: int) -> dict[str, Any]:
-    if not run_local(cfg).ok:
+    if not run_local(cfg, overwrite=True).ok:  # this benchmark's own run dirs, from a run before
         raise SystemExit(f"the run in {cfg.run_dir} failed; see its logs")
     lines = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines() if x]
     steady = lines[warmup:]

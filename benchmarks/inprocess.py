@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from geoloco.compression import Layout, decode_frame
-from geoloco.config import RunConfig
+from geoloco.config import FOLD_ARRIVAL, RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.outer import Update, apply_update, make_outer
 from geoloco.coordinator.rounds import (
@@ -41,7 +41,7 @@ from geoloco.tasks import build_task
 from geoloco.worker.encoder import FrameEncoder
 from geoloco.worker.overlap import running_copy, standin_scale
 from geoloco.worker.partitions import LatestDeltas
-from geoloco.worker.trainer import InnerTrainer
+from geoloco.worker.trainer import Fold, InnerTrainer
 
 Stragglers = Callable[[int], list[int]]
 VAL_TAIL = 5  # rounds at the end whose validation losses are averaged
@@ -189,7 +189,7 @@ def play(worker: SimWorker, theta: list[torch.Tensor], task, t: int, sender: int
 
 def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
                      val_every_round: bool = False, densities: list[float] | None = None,
-                     val_tail: int = 1) -> Result:
+                     val_tail: int = 1, fold_steps: dict[tuple[int, int], int | None] | None = None) -> Result:
     """``simulate`` under cfg.outer.overlap, in the order an overlapping worker
     (geoloco.worker.loop.Worker.fold_late) does things: round t trains from the running
     copy set up when round t - 1 was pushed, then round t - 1's result is folded into the
@@ -201,7 +201,9 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
     each of the last ``val_tail`` results (every result with ``val_every_round``).
     Under cfg.outer.fold_step k the late result is folded in before inner step k of the
     next phase, and every worker's phase moves on from the global track with the steps it
-    took so far (InnerTrainer's ``fold``), as Worker.fold_mid_phase does."""
+    took so far (InnerTrainer's ``fold``), as Worker.fold_mid_phase does. Under
+    fold_step "arrival" the step depends on when each result came: ``fold_steps`` gives it
+    per (worker, round), as a real run's workers logged it (None: at the phase's end)."""
     torch.set_num_threads(1)
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
@@ -216,6 +218,9 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
                                       density=densities[i] if densities else None))
                for i in range(cfg.workers)]
     mode, fold_step = cfg.outer.overlap, cfg.outer.fold_step
+    if fold_step == FOLD_ARRIVAL and fold_steps is None:
+        raise ValueError("outer.fold_step 'arrival' folds where each result came in: give the steps a real "
+                         "run's workers folded at (fold_steps), or a fixed fold step")
     running = [params] * cfg.workers
     pending: tuple | None = None  # (decision, update, frames) of the round in flight
     result = Result()
@@ -224,12 +229,12 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
             fold(params, policy, workers, *pending)
             pending = None
         tasks = [worker_task(code, i, t, cfg.rounds) for i in range(cfg.workers)]
-        late_in = None
-        if pending is not None and fold_step is not None:
-            late_in = (fold_step, fold_once(params, policy, workers, pending))
-        trained = [train_round(w, running[i], tasks[i], t, late_in) for i, w in enumerate(workers)]
-        if pending is not None and late_in is None:
-            fold(params, policy, workers, *pending)
+        late = fold_once(params, policy, workers, pending) if pending is not None else None
+        steps = [fold_step if fold_step != FOLD_ARRIVAL else fold_steps.get((i, t)) for i in range(cfg.workers)]
+        trained = [train_round(w, running[i], tasks[i], t, None if late is None or steps[i] is None else (steps[i], late))
+                   for i, w in enumerate(workers)]
+        if late is not None:
+            late(None)  # folded at the phases' end if no phase folded it mid-way
         frames = [w.encoder.encode(w.deltas.message(tasks[i]), t, i) for i, w in enumerate(workers)]
         if mode != "none":
             running = [running_copy(mode, params, [w.deltas.latest[p] for p in trained[i]],
@@ -251,7 +256,7 @@ def simulate_overlap(cfg: RunConfig, stragglers: Stragglers = no_stragglers,
 
 
 def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int,
-                late_in: tuple[int, Callable[[], list[torch.Tensor]]] | None = None) -> list[int]:
+                late_in: Fold | None = None) -> list[int]:
     """One worker's inner phase of round ``t`` from ``theta``: the partitions it trained.
     ``late_in``: InnerTrainer.train_partition's ``fold``."""
     partitions = worker.deltas.to_train(task)
@@ -262,12 +267,13 @@ def train_round(worker: SimWorker, theta: list[torch.Tensor], task, t: int,
 
 
 def fold_once(params: list[torch.Tensor], policy: ClosePolicy, workers: list[SimWorker],
-              pending: tuple) -> Callable[[], list[torch.Tensor]]:
+              pending: tuple) -> Callable[[int | None], list[torch.Tensor]]:
     """The global track after ``pending`` is folded in, folding it at the first call: the
-    mid-phase fold of every worker's phase (cfg.outer.fold_step)."""
+    mid-phase fold of every worker's phase (cfg.outer.fold_step; InnerTrainer's new start,
+    called with the step), or the fold after the phases (None)."""
     folded = []
 
-    def global_track() -> list[torch.Tensor]:
+    def global_track(step: int | None) -> list[torch.Tensor]:
         if not folded:
             fold(params, policy, workers, *pending)
             folded.append(True)

@@ -37,6 +37,7 @@ TOKENIZER_TRAIN_VOCAB = (300, 1_000_000)  # train:N: the 256 bytes and a special
 DEFAULT_RUN_DIR = "runs/latest"  # a link to the newest run (geoloco.run_dir)
 AGGREGATIONS = ("mean", "mean_kept")
 OVERLAPS = ("none", "delayed", "eager")  # outer.overlap (docs/decisions.md, "Overlapped rounds")
+FOLD_ARRIVAL = "arrival"  # outer.fold_step: fold the late result in as soon as it is in
 STANDINS = ("mean", "share")  # outer.standin: what eager's stand-in scales the own pseudo-gradient by
 AUTO = "auto"  # compression.density chosen by each worker from its measured upload rate
 BROADCASTS = ("frames", "aggregate", AUTO)  # coordinator.broadcast
@@ -155,8 +156,10 @@ class OuterConfig:
     # under overlap, when the late result of round t is folded in: None: at the end of
     # round t+1's inner phase; k: before its inner step k, waiting for the result there if it
     # is not in yet, the steps taken so far moved onto the global track (the rest of the
-    # phase trains from it; for a transfer that takes about k of the H steps' time)
-    fold_step: int | None = None
+    # phase trains from it; for a transfer that takes about k of the H steps' time);
+    # "arrival": before the first inner step that finds the whole result in, never waiting
+    # (at the phase's end if it is not in by then)
+    fold_step: int | str | None = None
 
 
 @dataclass
@@ -451,9 +454,9 @@ def _check_fold_step(cfg: RunConfig) -> None:
     step = cfg.outer.fold_step
     if step is None:
         return
-    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step < cfg.inner.steps:
-        raise ConfigError(f"outer.fold_step: {step!r} is not an inner step from 1 to {cfg.inner.steps - 1} "
-                          f"(inner.steps is {cfg.inner.steps}; unset: fold at the end of the phase)")
+    if step != FOLD_ARRIVAL and (isinstance(step, bool) or not isinstance(step, int) or not 1 <= step < cfg.inner.steps):
+        raise ConfigError(f"outer.fold_step: {step!r} is neither an inner step from 1 to {cfg.inner.steps - 1} nor "
+                          f"{FOLD_ARRIVAL!r} (inner.steps is {cfg.inner.steps}; unset: fold at the end of the phase)")
     if cfg.outer.overlap == "none":
         raise ConfigError("outer.fold_step needs outer.overlap 'delayed' or 'eager' (without overlap every "
                           "result is in before the next phase starts)")
@@ -759,6 +762,8 @@ def _coerce(name: str, ftype: str, value: Any) -> Any:
             return None if value.lower() == "none" else float(value)
         if ftype == "float | str":
             return AUTO if value.lower() == AUTO else float(value)
+        if ftype == "int | str | None":  # outer.fold_step: an inner step, "arrival" or none
+            return None if value.lower() == "none" else FOLD_ARRIVAL if value.lower() == FOLD_ARRIVAL else int(value)
         if ftype == "bool":
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(value)
@@ -777,6 +782,11 @@ def _typed(name: str, ftype: str, value: Any) -> Any:
         if isinstance(value, str) or (isinstance(value, (int, float)) and not isinstance(value, bool)):
             return value if isinstance(value, str) else float(value)
         raise ConfigError(f"{name}: expected a number or {AUTO!r}, got {value!r} ({type(value).__name__})")
+    if ftype == "int | str | None":
+        if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{name}: expected an integer, {FOLD_ARRIVAL!r} or none, got {value!r} "
+                          f"({type(value).__name__})")
     base, optional = ftype.removesuffix(" | None"), ftype.endswith(" | None")
     if value is None and optional:
         return None

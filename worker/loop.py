@@ -12,7 +12,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch import Tensor
 from geoloco import transport
 from geoloco.compression import FrameError, Layout, decode_frame, on_huge_pages
 from geoloco.compression.shards import ShardCompressor
-from geoloco.config import RunConfig, validate
+from geoloco.config import FOLD_ARRIVAL, RunConfig, validate
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import param_digest, replica_layout
 from geoloco.run_dir import write_atomic
@@ -42,6 +41,7 @@ from geoloco.worker.session import Push, Session, State
 from geoloco.worker.stragglers import StragglerModel, make_straggler, occupy
 from geoloco.worker.stream import Behind, DigestCheck, Disconnected, RoundResult
 from geoloco.worker.trainer import (
+    Fold,
     InnerStep,
     InnerTrainer,
     TrainingStopped,
@@ -194,10 +194,14 @@ class Worker:
         self.ahead: Trained | None = None  # overlap: round + 1 trained before round's result
         self.folding: int | None = None  # outer.fold_step: the round whose phase folds mid-way
         self.folded: bool | None = None  # ... and apply's answer once it folded (None: not yet)
+        self.fold_at: int | None = None  # ... and the inner step it folded before
+        self.late: RoundResult | None = None  # fold_step "arrival": the result in flight, once its header is in
         self.fold_wait_s = 0.0  # the phase's time in fold_mid_phase, not counted as compute
         self.catching_up = False  # after a resync, reconnect or restore: the next round waits
         self.density = 0.0  # the last frame's density (0: dense)
         self._pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        self.state_writer = local_state.StateWriter()  # the local state, written beside the rounds
+        self.state_write: tuple[Path, int, float, float | None] | None = None  # ... what is in flight
 
     # ------------------------------------------------------------------ the loop
 
@@ -276,7 +280,7 @@ class Worker:
         return task is not None and bool(task.train_partitions or task.send_partitions)
 
     def train(self, task: pb.WorkerTask | None = None, theta: list[Tensor] | None = None,
-              round_: int | None = None, fold: tuple[int, Callable[[], list[Tensor]]] | None = None) -> Trained:
+              round_: int | None = None, fold: Fold | None = None) -> Trained:
         """H inner steps from θ_r (or ``theta``, for ``round_``) on every partition the task
         trains; each Δ is kept. ``fold``: InnerTrainer's mid-phase fold (fold_mid_phase),
         whose wait is not counted as compute."""
@@ -321,9 +325,10 @@ class Worker:
         or before its inner step outer.fold_step (fold_mid_phase). True when finished."""
         round_, task = self.inflight.round + 1, self.next_task
         step = self.training.cfg.outer.fold_step
-        self.folding, self.folded = round_, None
+        when = self.result_in if step == FOLD_ARRIVAL else step
+        self.folding, self.folded, self.fold_at = round_, None, None
         try:
-            trained = self.train(task, self.running, round_, None if step is None else (step, self.fold_mid_phase))
+            trained = self.train(task, self.running, round_, None if when is None else (when, self.fold_mid_phase))
         except FoldAbandoned:
             return bool(self.folded)  # θ was fetched again, or the run ended: the phase is dropped
         self.emulate_straggler(trained, round_)
@@ -335,22 +340,34 @@ class Worker:
     def fold_in(self) -> bool:
         """Round r's result (waited for) into θ; apply's answer."""
         self.finish_push()
-        result = self.session.next_result(self.round)
+        result, self.late = self.late, None
+        if result is None:
+            result = self.session.next_result(self.round)
         self.inflight = self.running = None
         return self.apply(result)
 
-    def fold_mid_phase(self) -> list[Tensor]:
-        """Before inner step outer.fold_step of an overlapped phase (InnerTrainer's fold):
-        wait for the round in flight's result and fold it into θ, once; the phase then moves
-        onto θ. A fold that leaves θ elsewhere than at the phase's round (a resync fetched
+    def result_in(self, step: int) -> bool:
+        """outer.fold_step "arrival", before inner ``step``: whether the result of the round
+        in flight is wholly in (its frames' last byte), so that folding it waits for nothing.
+        Once folded, true at that step alone: every partition of the phase moves there."""
+        if self.fold_at is not None:
+            return step == self.fold_at
+        if self.late is None:
+            self.late = self.session.poll_result(self.round)
+        return self.late is not None and self.late.last_byte_at.done()
+
+    def fold_mid_phase(self, step: int) -> list[Tensor]:
+        """Before inner ``step`` of an overlapped phase (InnerTrainer's fold, at
+        outer.fold_step): wait for the round in flight's result and fold it into θ, once; the
+        phase then moves onto θ. A fold that leaves θ elsewhere than at the phase's round (a resync fetched
         the state, or the run ended) abandons the phase (FoldAbandoned): the next round is
         played the non-overlapped way."""
         if self.folded is None:
-            start = time.monotonic()
+            start, self.fold_at = time.monotonic(), step
             self.folded = self.fold_in()
             self.fold_wait_s += time.monotonic() - start
             log.info("round %d's result folded in before inner step %d of round %d (waited %.2fs)",
-                     self.folding - 1, self.training.cfg.outer.fold_step, self.folding, self.fold_wait_s)
+                     self.folding - 1, step, self.folding, self.fold_wait_s)
         if self.folded or self.catching_up or self.round != self.folding:
             log.info("round %d's phase dropped at its fold: θ is at round %d", self.folding, self.round)
             raise FoldAbandoned(f"round {self.folding}'s phase dropped at its fold")
@@ -376,7 +393,7 @@ class Worker:
                 pushing.result()
             except Exception as exc:  # noqa: BLE001 - the round is dropped either way
                 log.info("push of round %d ended with %s", self.inflight.round if self.inflight else -1, exc)
-        self.inflight = self.running = self.ahead = None
+        self.inflight = self.running = self.ahead = self.late = None
 
     def confirm(self) -> bool:
         """Wait for the digest check of θ (if one runs). On a mismatch fetch the state again
@@ -599,12 +616,19 @@ class Worker:
     def save_local_state(self) -> None:
         """Between rounds, every state_every rounds (None: every round while a save costs
         under STATE_COST_SHARE of a round, else as rarely as keeps it so): the worker's own
-        state to state_dir; a failed write is logged and training goes on."""
+        state to state_dir, copied here and written on the StateWriter's thread (a measured
+        cadence skips a round whose save finds the write before it still going); a failed
+        write is logged and training goes on."""
         start = time.monotonic()
         round_s = start - self.applied_at if self.applied_at is not None else None
         self.applied_at = start
+        if self.state_dir is None:
+            return
+        if self.state_every is None and self.state_writer.busy:
+            return
+        self.settle_state_write()
         every = self.state_interval if self.state_every is None else self.state_every
-        if self.state_dir is None or not every or self.round - self.state_saved_round < every:
+        if not every or self.round - self.state_saved_round < every:
             return
         path = local_state.state_path(self.state_dir, self.session.worker_id)
         island = self.island
@@ -614,18 +638,28 @@ class Worker:
                 log.error("a rank of the island did not write its AdamW shard of round %d: the local "
                           "state stays at round %d; training goes on", self.round, self.state_saved_round)
                 return
+        state = local_state.snapshot(self.training, self.round)
+        self.state_write = (path, self.round, time.monotonic() - start, round_s)
+        self.state_writer.submit(path, state)
+
+    def settle_state_write(self) -> None:
+        """The outcome of the local state write in flight, waited for: the round saved, the
+        measured cadence (copy and write against the round), the log line."""
+        if not self.state_writer.pending:
+            return
+        path, round_, copy_s, round_s = self.state_write
         try:
-            local_state.save(path, self.training, self.round)
+            save_s = copy_s + (self.state_writer.outcome() or 0.0)
         except OSError as exc:
             log.error("local state of round %d not written to %s (%s); training goes on",
-                      self.round, path, exc.strerror or exc)
+                      round_, path, exc.strerror or exc)
             return
-        save_s, self.state_saved_round = time.monotonic() - start, self.round
+        self.state_saved_round = round_
         if self.state_every is None and round_s:
             self.state_interval = max(1, math.ceil(save_s / (STATE_COST_SHARE * round_s)))
-        log.info("local state of round %d saved in %.3fs (%s); next in %d rounds", self.round,
-                 save_s, f"{save_s / round_s:.1%} of a round" if round_s else "first", every
-                 if self.state_every is not None else self.state_interval)
+        log.info("local state of round %d saved in %.3fs (%s; %.3fs between rounds); next in %d rounds", round_,
+                 save_s, f"{save_s / round_s:.1%} of a round" if round_s else "first", copy_s,
+                 self.state_every if self.state_every is not None else self.state_interval)
 
     def reconnect(self, reason: str) -> None:
         """Rejoin with the same id, retrying until connect_timeout_s (Join itself backs off
@@ -670,6 +704,8 @@ class Worker:
     def close(self) -> None:
         self.session.close()
         self._pusher.shutdown(wait=True)
+        self.settle_state_write()  # the last local state, whole on disk before the process ends
+        self.state_writer.close()
 
     def write_report(self, status: str, digest: str | None = None) -> None:
         """worker-<id>.json in the report folder: id, pid, status, digest, counters; the

@@ -68,6 +68,17 @@ InnerStep = Callable[["InnerTrainer", Batch], float]
 ``trainer.autocast()``, backward, optimizer step), returning the loss. The trainer has set
 the learning rate before, and checks that the loss is finite after."""
 
+Fold = tuple["int | Callable[[int], bool]", Callable[[int], list[Tensor]]]
+"""InnerTrainer.train_partition's mid-phase fold: (when, new start); ``when`` is an inner
+step k, or a predicate asked before each step from 1 on until it is first true."""
+
+
+def fold_due(when: int | Callable[[int], bool], step: int) -> bool:
+    """Whether a Fold's move is due before inner ``step``."""
+    if isinstance(when, int):
+        return step == when
+    return step > 0 and bool(when(step))
+
 
 class InnerTrainer:
     """One model replica on the training device with an AdamW state that persists across
@@ -108,16 +119,17 @@ class InnerTrainer:
 
     def train_partition(self, theta: list[Tensor] | None, partition: int, round_index: int,
                         stop: threading.Event | None = None,
-                        fold: tuple[int, Callable[[], list[Tensor]]] | None = None) -> tuple[list[Tensor] | None, float]:
+                        fold: Fold | None = None) -> tuple[list[Tensor] | None, float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
         Batches and the learning rate follow the global step ``round × H + step``. Once
         ``stop`` is set, TrainingStopped at the next step (in an island: on every rank, after
         the step's gradient exchange). On an island's other ranks ``theta`` is None (it comes
-        from rank 0) and so is the returned Δ. ``fold`` = (k, new start): before step k the
-        start moves to ``new start()`` and the steps taken so far move with it (the model
-        gains new − old); Δ is then taken from the new start, which must not change until
-        this returns (an overlapped round's late result folded in mid-phase; not in an
-        island)."""
+        from rank 0) and so is the returned Δ. ``fold`` = (when, new start): before step k,
+        where ``when`` is k or, as a predicate, first true for k (asked before each step from
+        1 on), the start moves to ``new start(k)`` and the steps taken so far move with it
+        (the model gains new − old); Δ is then taken from the new start, which must not
+        change until this returns (an overlapped round's late result folded in mid-phase;
+        not in an island)."""
         island = self.island
         if fold is not None and island is not None:
             raise ValueError("a mid-phase fold is not supported in an island")
@@ -132,9 +144,10 @@ class InnerTrainer:
                 island.broadcast(self.params)
         batches = self._batches(partition, round_index * self.inner.steps)
         losses = []
+        moved = False
         for step in range(self.inner.steps):
-            if fold is not None and step == fold[0]:
-                theta = self._move_start(theta, fold[1]())
+            if fold is not None and not moved and fold_due(fold[0], step):
+                theta, moved = self._move_start(theta, fold[1](step)), True
             stopping = stop is not None and stop.is_set()
             if stopping and island is None:
                 raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")

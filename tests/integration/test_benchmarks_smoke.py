@@ -90,6 +90,23 @@ def test_parity_tune_writes_what_the_evaluation_reads(tmp_path: Path) -> None:
     assert evaluated == {(m, s) for m in ("sparseloco", "diloco", "adamw") for s in result["seeds"]}, stored
 
 
+def test_overlap_fold_sweep_pairs_each_fold_step_against_none() -> None:
+    """``overlap --fold-steps`` (loss only): none and eager at each step, paired by seed; a
+    fold before the last step is a fold at the phase's end, which k = H names."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--quick", "--fold-steps", "1,2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["fold_steps"]
+    assert list(rows) == ["none", "eager@1", "eager@2"], rows
+    assert [rows[a]["hidden_share"] for a in rows] == [0.0, 0.5, 1.0]
+    assert rows["eager@1"]["final_loss"] != rows["eager@2"]["final_loss"], rows  # the step changed the run
+    assert rows["none"]["vs_none"] is None and rows["eager@2"]["vs_none"]["mean"] is not None
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--quick", "--fold-steps", "3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "1..2" in bad.stderr, bad.stderr[-2000:]
+
 
 SECURITY_KEYS = {
     "fuzz_rpc": {"streams", "crashed", "invalid_accepted", "worker_served"},

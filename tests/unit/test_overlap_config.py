@@ -62,9 +62,18 @@ def test_fold_step_is_an_inner_step_under_overlap_in_a_one_process_worker() -> N
     cfg = load_config(overrides={"outer.overlap": "delayed", "inner.steps": "8", "outer.fold_step": "3"})
     assert cfg.outer.fold_step == 3 and RunConfig.from_dict(cfg.to_dict()).outer.fold_step == 3
     assert load_config().outer.fold_step is None
+    arrival = load_config(overrides={"outer.overlap": "eager", "outer.fold_step": "Arrival"})
+    assert arrival.outer.fold_step == "arrival" and RunConfig.from_dict(arrival.to_dict()).outer.fold_step == "arrival"
+    assert load_config(overrides={"outer.fold_step": "none"}).outer.fold_step is None
     for bad, message in [({"outer.fold_step": "8"}, "from 1 to 7"), ({"outer.fold_step": "0"}, "from 1 to 7"),
                          ({"outer.fold_step": "1.5"}, "not a valid int"),
+                         ({"outer.fold_step": "soon"}, "not a valid int"),
+                         ({"outer.overlap": "none", "outer.fold_step": "arrival"}, "needs outer.overlap"),
                          ({"outer.overlap": "none", "outer.fold_step": "2"}, "needs outer.overlap"),
                          ({"worker.nproc_per_node": "2", "outer.fold_step": "2"}, "several ranks")]:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides={"outer.overlap": "eager", "inner.steps": "8", **bad})
+    for typed, message in [("soon", "neither an inner step"), (True, "expected an integer, 'arrival' or none"),
+                           (2.5, "expected an integer")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config_dict({"outer": {"overlap": "eager", "fold_step": typed}, "inner": {"steps": 8}})

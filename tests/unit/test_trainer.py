@@ -101,14 +101,29 @@ def test_a_mid_phase_fold_moves_the_steps_taken_onto_the_new_start() -> None:
     old = [p.detach().clone() for p in base.params]
     new = [t + 0.01 * torch.randn_like(t) for t in old]
     plain, _ = base.train_partition(old, 0, 0)
-    same, _ = trainer().train_partition(old, 0, 0, fold=(2, lambda: [t.clone() for t in old]))
+    same, _ = trainer().train_partition(old, 0, 0, fold=(2, lambda step: [t.clone() for t in old]))
     assert all(torch.equal(a, b) for a, b in zip(plain, same, strict=True))
     from_new, _ = trainer().train_partition(new, 0, 0)
-    at_zero, _ = trainer().train_partition(old, 0, 0, fold=(0, lambda: new))
+    at_zero, _ = trainer().train_partition(old, 0, 0, fold=(0, lambda step: new))
     for a, b in zip(from_new, at_zero, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     folded = trainer()
-    delta, _ = folded.train_partition(old, 0, 0, fold=(2, lambda: new))
+    delta, _ = folded.train_partition(old, 0, 0, fold=(2, lambda step: new))
     for n, d, p in zip(new, delta, folded.params, strict=True):
         torch.testing.assert_close(n - d, p.detach())  # Δ counts from the new start
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(delta, plain, strict=True))
+    # outer.fold_step "arrival": a predicate, asked before each step from 1 on until it is
+    # first true, folds there as the fixed step does, bit for bit
+    asked, moved_at = [], []
+
+    def arrived(step: int) -> bool:
+        asked.append(step)
+        return step == 2
+
+    def start(step: int) -> list[torch.Tensor]:
+        moved_at.append(step)
+        return new
+
+    by_arrival, _ = trainer().train_partition(old, 0, 0, fold=(arrived, start))
+    assert (asked, moved_at) == ([1, 2], [2])
+    assert all(torch.equal(a, b) for a, b in zip(delta, by_arrival, strict=True))
