@@ -298,10 +298,13 @@ def run_losses(jobs: list[tuple[RunConfig, list[float] | None]], n_jobs: int,
     return losses
 
 
-def loss_config(args: argparse.Namespace, mode: str, seed: int) -> RunConfig:
-    """A loss run of ``mode``; an outer.fold_step of --set is the overlapped arms' alone."""
+def loss_config(args: argparse.Namespace, mode: str, seed: int, fold_step: Any = "--set") -> RunConfig:
+    """A loss run of ``mode``; an outer.fold_step of --set is the overlapped arms' alone,
+    unless ``fold_step`` gives one (None: at the phase's end)."""
     overrides = {**loss_overrides(args, args.loss_workers, seed), "outer.overlap": mode}
-    if mode == "none":
+    if fold_step != "--set":
+        overrides["outer.fold_step"] = fold_step
+    if mode == "none" or overrides.get("outer.fold_step") is None:
         overrides.pop("outer.fold_step", None)
     return load_config(overrides=overrides)
 
@@ -342,13 +345,9 @@ def fold_sweep(args: argparse.Namespace) -> int:
     """--fold-steps: ``none`` and eager at each fold step k, per seed, paired by seed."""
     arms = {"none": None, **{f"eager@{k}": k for k in args.fold_steps}}
     jobs = [(arm, seed) for seed in loss_seeds(args) for arm in arms]
-    configs = []
-    for arm, seed in jobs:
-        overrides = {**loss_overrides(args, args.loss_workers, seed), "outer.overlap": "none" if arm == "none" else "eager"}
-        overrides.pop("outer.fold_step", None)
-        if arms[arm] is not None and arms[arm] < args.inner_steps:
-            overrides["outer.fold_step"] = arms[arm]
-        configs.append((load_config(overrides=overrides), None))
+    configs = [(loss_config(args, "none" if arm == "none" else "eager", seed,
+                            arms[arm] if arms[arm] is not None and arms[arm] < args.inner_steps else None), None)
+               for arm, seed in jobs]
     losses: dict[str, list[float]] = {arm: [] for arm in arms}
     for (arm, _), loss in zip(jobs, run_losses(configs, args.jobs, [f"{a} seed {s}" for a, s in jobs]), strict=True):
         losses[arm].append(loss)
