@@ -13,7 +13,11 @@ upload per round (n x that: the simulated workers do not follow the Rounds strea
 computed from the round result's size, not sent); then where the close
 goes, phase by phase (the frames' check and decode as they arrive, the frame guard, the
 outer step, the round log, the hand-over to the streams, the apply, the digest), with the
-coordinator's resident MB at the end of each phase. The targets at
+coordinator's resident MB at the end of each phase. The coordinator process runs with its
+own thread policy (``coordinator_threads``: the codec's kernels on every core, torch's ops on
+one), and one frame's decode_apply is measured here on as many codec threads; the simulated
+workers make a round's frames and messages before its pushes start, so that only their
+sending shares the cores with the coordinator. The targets at
 n = 64: close time <= 1.5 x (n x one frame's decode_apply time, measured in this run), and
 peak RSS <= model + optimizer state + 2 x the frames in flight + 500 MB. SparseLoCo's outer
 SGD keeps no state; under ``aggregate`` the coordinator's error feedback (one fp32 copy of
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -152,7 +155,7 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
     log = open(run_dir / "coordinator.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--serve", str(n), "--run-dir",
                              str(run_dir), "--broadcast", broadcast, *(["--quick"] if quick else [])], stdout=log,
-                            stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.STDOUT)
     try:
         port_file = run_dir / "coordinator.port"
         while not (port_file.exists() and port_file.read_text().strip().isdigit()):
@@ -166,10 +169,12 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
         latencies: list[float] = []
         lock = threading.Lock()
 
-        def push(j: pb.JoinReply, round_: int) -> None:
+        def messages(j: pb.JoinReply, round_: int) -> list[pb.PushChunk]:
             data = stamped(base, round_, j.worker_id)
             header = pb.PushHeader(worker_id=j.worker_id, session=j.session, round=round_, total_bytes=len(data))
-            chunks = [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(data)]
+            return [pb.PushChunk(header=header)] + [pb.PushChunk(data=c) for c in transport.chunks(data)]
+
+        def push(j: pb.JoinReply, round_: int, chunks: list[pb.PushChunk]) -> None:
             start = time.monotonic()
             reply = stub.Push(iter(chunks), metadata=transport.caller_metadata(j.worker_id, j.session), timeout=600)
             if not reply.accepted:
@@ -180,7 +185,11 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
 
         with ThreadPoolExecutor(n) as pool:
             for r in range(ROUNDS):
-                list(pool.map(lambda j, r=r: push(j, r), joins))
+                # each worker's frame and messages made before any is sent: a real worker's
+                # encoding is not on the coordinator's cores
+                chunks = [messages(j, r) for j in joins]
+                list(pool.map(lambda j, c, r=r: push(j, r, c), joins, chunks))
+                del chunks
                 metrics = run_dir / "metrics.jsonl"
                 while not metrics.exists() or len(metrics.read_text().splitlines()) <= r:
                     if proc.poll() is not None:

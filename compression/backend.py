@@ -66,6 +66,11 @@ class SparseBody(Protocol):
         """Per tensor, the fp32 values of ``materialize``, without making the indices."""
         ...
 
+    def magnitudes(self) -> tuple[float, float]:
+        """(L2 norm, largest absolute value) of the kept values, summed in float64 (equal
+        across backends up to the order of that sum)."""
+        ...
+
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         """``p = p + fp32(alpha) * fp32(fp32(weight) * v)`` for every kept (index, v), straight
         from the sections; False (nothing done) where the params do not allow it."""

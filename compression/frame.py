@@ -24,6 +24,7 @@ from .format import (
     write_frame,
 )
 from .layout import Layout
+from .reference import value_magnitudes
 
 
 class Frame:
@@ -67,15 +68,10 @@ class Frame:
 
     def magnitudes(self) -> tuple[float, float]:
         """(L2 norm, largest absolute value) of the frame's values, summed in float64; a
-        sparse frame's values are decoded for it (without its indices) and not kept. Cached."""
+        sparse frame's come from its body (the numba backend's from the codes and levels
+        alone, decoding no position). Cached."""
         if self._magnitudes is None:
-            if self.kind == "dense":
-                values = self.dense
-            else:
-                values = self._values if self._values is not None else self.body.kept_values()
-            squares = sum(float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values)
-            largest = max((max(float(v.max()), -float(v.min())) for v in values if v.numel()), default=0.0)
-            self._magnitudes = (squares ** 0.5, largest)
+            self._magnitudes = value_magnitudes(self.dense) if self.kind == "dense" else self.body.magnitudes()
         return self._magnitudes
 
     def to_dense(self, device=None) -> list[torch.Tensor]:

@@ -307,8 +307,18 @@ class ReferenceBody:
     def kept_values(self) -> list[torch.Tensor]:
         return self.values
 
+    def magnitudes(self) -> tuple[float, float]:
+        return value_magnitudes(self.values)
+
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         return False  # apply_frames' own path gives these bits
+
+
+def value_magnitudes(values: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """(L2 norm, largest absolute value) of all the tensors' elements, summed in float64."""
+    squares = sum(float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in values)
+    largest = max((max(float(v.max()), -float(v.min())) for v in values if v.numel()), default=0.0)
+    return squares ** 0.5, largest
 
 
 def decode_sparse(sections: SparseSections) -> ReferenceBody:

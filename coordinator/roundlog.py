@@ -37,6 +37,9 @@ from geoloco.run_dir import ROUNDLOG_DIR, write_atomic
 
 log = logging.getLogger(__name__)
 
+# threads writing frames: sha256, the write and the fsyncs release the GIL, and when the
+# last frames of a large round are checked at once, the close waits for the writes behind them
+SPOOL_WRITERS = 2
 _ENTRY = re.compile(r"^round_(\d{8})\.(json|frames|[0-9a-f]{64}\.frame)$")
 
 
@@ -76,7 +79,7 @@ class _Write:
 
 
 class FrameSpool:
-    """Each accepted frame to the round log as it arrives, on one writer thread, so that a
+    """Each accepted frame to the round log as it arrives, on SPOOL_WRITERS threads, so that a
     close finds its frames durable already (``durable``). ``paused``: the round log is off
     until the next checkpoint (a decision could not be written): frames handed over then
     are dropped, and a close after the checkpoint writes what it needs itself. A frame that
@@ -90,8 +93,10 @@ class FrameSpool:
         self.writes: dict[int, _Write] = {}  # id(data) -> its write; the write holds data
         self.paused = False
         self.closed = False
-        self.thread = threading.Thread(target=self._run, name="roundlog-frames", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._run, name=f"roundlog-frames-{i}", daemon=True)
+                        for i in range(SPOOL_WRITERS)]
+        for thread in self.threads:
+            thread.start()
 
     def put(self, round: int, data: bytes) -> None:
         """Hand an accepted frame of ``round`` to the writer (returns at once)."""
@@ -129,7 +134,7 @@ class FrameSpool:
                 del self.writes[key]
 
     def close(self) -> None:
-        """Stop the writer after the frame it is writing. The rest of the queue is dropped (a
+        """Stop the writers after the frames they are writing. The rest of the queue is dropped (a
         round no decision names is redone after a restart); a close waiting for one of them
         gets an OSError."""
         with self.lock:
@@ -138,7 +143,8 @@ class FrameSpool:
                 write.error, write.done = OSError("the coordinator is stopping"), True
             self.queue.clear()
             self.lock.notify_all()
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
 
     def _run(self) -> None:
         while True:

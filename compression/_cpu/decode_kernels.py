@@ -357,6 +357,38 @@ def decode_segments(mode, frame, s0, s1, out_flat, out_val, into, result):
 
 
 @njit(cache=True, nogil=True)
+def code_magnitudes(frame, out):
+    """out = (sum of the squared values, largest absolute value) of a checked frame's kept
+    elements, in float64, from its codes and levels alone: a chunk's values are its two
+    levels with signs, so the sum is n_hi hi^2 + (k - n_hi) lo^2 (levels are non-negative,
+    the high one first). No position is decoded; one pass over the codes section."""
+    fa = FrameArrays(*frame)
+    codes, levels, per_chunk, k_full, tile, grid, tab_off = (
+        fa.codes, fa.levels, fa.per_chunk, fa.k_full, fa.tile, fa.grid, fa.tab_off)
+    size = tile * tile
+    squares = 0.0
+    largest = 0.0
+    cpos = 0
+    for t in range(grid.shape[0]):
+        rows, cols, row_tiles, col_tiles = grid[t, 0], grid[t, 1], grid[t, 2], grid[t, 3]
+        for c in range(chunk_count(rows, cols, tile, row_tiles, col_tiles)):
+            k = kept_per_chunk(chunk_numel(c, rows, cols, tile, row_tiles, col_tiles), k_full, size)
+            ti = tab_off[t] + (2 * c if per_chunk else 0)
+            n_hi = 0
+            for j in range(k):  # bit 0 of a code: the high level
+                n_hi += (np.int64(codes[cpos + (j >> 2)]) >> (2 * (j & 3))) & 1
+            hi, lo = np.float64(levels[ti]), np.float64(levels[ti + 1])
+            squares += n_hi * (hi * hi) + (k - n_hi) * (lo * lo)
+            if n_hi and hi > largest:
+                largest = hi
+            if k - n_hi and lo > largest:
+                largest = lo
+            cpos += code_bytes(k)
+    out[0] = squares
+    out[1] = largest
+
+
+@njit(cache=True, nogil=True)
 def _rice_pair(buf, pa, ea, pb, eb, n, k, b, out_a, out_b, o):
     """The Rice codes of two chunks (one in each of two segments) side by side: two
     independent chains of dependent shifts, which the CPU runs at once. Only the common

@@ -39,6 +39,7 @@ from .decode_kernels import (
     ApplyArrays,
     FrameArrays,
     check_segments,
+    code_magnitudes,
     decode_segments,
     prepare,
     scatter_add,
@@ -87,6 +88,11 @@ class NumbaBody:
         self._run(VALUES, out_val=vals)
         vals_t, bounds = torch.from_numpy(vals), self.geometry.kept_off.tolist()
         return [vals_t[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    def magnitudes(self) -> tuple[float, float]:
+        out = np.zeros(2, dtype=np.float64)
+        code_magnitudes(self._fa, out)
+        return float(out[0]) ** 0.5, float(out[1])
 
     def add_into(self, params: Sequence[torch.Tensor], weight: float, alpha: float) -> bool:
         addrs = cpu_addresses(self.geometry.layout, params)
