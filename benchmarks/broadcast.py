@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,7 +57,7 @@ from benchmarks.scale import gpt2_layout, layout_for
 from geoloco.compression import Layout, decode_frame
 from geoloco.config import RunConfig, load_config
 from geoloco.coordinator.gradient_coding import make_code
-from geoloco.coordinator.outer import broadcast_density, make_outer
+from geoloco.coordinator.outer import broadcast_density, broadcast_passes, make_outer
 from geoloco.coordinator.rounds import Arrival, close_policy
 from geoloco.replica import sparse_compressor
 from geoloco.tasks import build_task
@@ -87,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker-link-mbps", type=float, default=100.0, help="each worker's upload and download")
     p.add_argument("--broadcast-density", type=float, default=None,
                    help="coordinator.broadcast_density of the aggregate runs (default: the config's)")
-    p.add_argument("--broadcast-passes", type=int, default=1,
+    p.add_argument("--broadcast-passes", type=int, default=None,
                    help="coordinator.broadcast_passes of the aggregate runs: frames per round result")
     p.add_argument("--only", choices=("loss", "round-time"), default=None, help="one question (default both)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel (one core each)")
@@ -183,7 +184,7 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"n": n, "loss_frames": [f["loss"] for f in frames], "loss_aggregate": [a["loss"] for a in aggregate],
                      "ratios": ratios, "ratio_mean": statistics.mean(ratios), "ratio_upper95": upper95(ratios),
                      "worker_density": cfg.compression.density, "broadcast_density": broadcast_density(cfg),
-                     "broadcast_passes": cfg.coordinator.broadcast_passes, "worker_frame_bytes": upload, "worker_frame_bytes_synthetic": worker_synthetic,
+                     "broadcast_passes": broadcast_passes(cfg), "worker_frame_bytes": upload, "worker_frame_bytes_synthetic": worker_synthetic,
                      "download_frames_bytes": n * upload, "download_aggregate_bytes": coordinator})
     return rows
 
@@ -192,36 +193,47 @@ def print_loss(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"1. loss at equal tokens: {args.model}, {args.rounds} rounds of H={args.inner_steps}, batch "
           f"{args.batch_size}x{args.seq_len}, seeds 0-{args.seeds - 1}; ratio = aggregate / frames of the same seed")
     print(f"{'n':>4}  {'ratios':<{8 * args.seeds}}{'mean':>8}{'upper95':>9}  {'<= 1.01':<8}{'density':>9}"
-          f"{'bcast':>8}{'down frames B':>15}{'down aggr B':>13}{'aggr/frames':>12}")
+          f"{'bcast':>8}{'passes':>7}{'down frames B':>15}{'down aggr B':>13}{'aggr/frames':>12}")
     for r in rows:
         met = "met" if r["ratio_mean"] <= TARGET else "NOT met"
         print(f"{r['n']:>4}  {''.join(f'{x:<8.4f}' for x in r['ratios'])}{r['ratio_mean']:>8.4f}"
               f"{r['ratio_upper95']:>9.4f}  {met:<8}{r['worker_density']:>9.4f}{r['broadcast_density']:>8.4f}"
-              f"{r['download_frames_bytes']:>15,.0f}{r['download_aggregate_bytes']:>13,.0f}"
+              f"{r['broadcast_passes']:>7}{r['download_frames_bytes']:>15,.0f}{r['download_aggregate_bytes']:>13,.0f}"
               f"{r['download_aggregate_bytes'] / r['download_frames_bytes']:>12.3f}")
 
 
 # question 2: round time against n ------------------------------------------------------------
 
 def round_time(args: argparse.Namespace) -> dict[str, Any]:
-    """Question 2's table from one worker frame and one aggregate frame of the layout."""
+    """Question 2's table from one worker frame and the aggregate's frames of the layout at
+    each n's broadcast density and passes (the default follows n: ``broadcast_density``).
+    An aggregate's bytes are measured from two workers' frames: top-k keeps k a chunk and
+    codes them in the same bits whatever the input, so they depend on the density, not on n."""
     cfg = run_config(args, 2, "aggregate")
     if args.layout == "model":
         layout = model_layout(cfg)
     else:
         layout = layout_for(True) if args.quick else gpt2_layout()
-    worker, aggregate = frame_bytes(cfg, layout, 2)
     up, link = args.coordinator_uplink_mbps * 1e6 / 8, args.worker_link_mbps * 1e6 / 8  # bytes/s
-    rows = []
+    rows, plans = [], {}
     for n in ROUND_TIME_NS:
-        row: dict[str, Any] = {"n": n}
+        at_n = run_config(args, n, "aggregate")
+        plan = (broadcast_density(at_n), broadcast_passes(at_n))
+        if plan not in plans:
+            plans[plan] = frame_bytes(replace(at_n, workers=2, coordinator=replace(
+                at_n.coordinator, broadcast_density=plan[0], broadcast_passes=plan[1])), layout, 2)
+        worker, aggregate = plans[plan]
+        row: dict[str, Any] = {"n": n, "broadcast_density": plan[0], "broadcast_passes": plan[1]}
         for mode, down in (("frames", n * worker), ("aggregate", aggregate)):
             terms = {"worker upload": worker / link, "coordinator uplink": n * down / up, "worker download": down / link}
             bound = max(terms, key=terms.get)
             row[mode] = {"download_bytes": down, "coordinator_upload_bytes": n * down,
                          "round_comm_s": terms[bound], "bound_by": bound}
         rows.append(row)
-    return {"layout_params": layout.numel, "worker_frame_bytes": worker, "aggregate_frame_bytes": aggregate,
+    worker = statistics.mean(w for w, _ in plans.values())
+    return {"layout_params": layout.numel, "worker_frame_bytes": worker,
+            "aggregate_bytes_by_plan": [{"broadcast_density": d, "broadcast_passes": p, "bytes": b}
+                                        for (d, p), (_, b) in plans.items()],
             "coordinator_uplink_mbps": args.coordinator_uplink_mbps, "worker_link_mbps": args.worker_link_mbps,
             "rows": rows, "uplink_bound_from": {m: uplink_bound_from(rows, m) for m in MODES}}
 
@@ -233,14 +245,18 @@ def uplink_bound_from(rows: list[dict[str, Any]], mode: str) -> int | None:
 
 
 def print_round_time(report: dict[str, Any]) -> None:
+    plans = ", ".join(f"{p['broadcast_density']:g} x {p['broadcast_passes']}: {p['bytes']:,.0f} B"
+                      for p in report["aggregate_bytes_by_plan"])
     print(f"2. round communication time: layout {report['layout_params']:,} parameters, worker frame "
-          f"{report['worker_frame_bytes']:,.0f} B, aggregate frame {report['aggregate_frame_bytes']:,.0f} B; "
+          f"{report['worker_frame_bytes']:,.0f} B, aggregate (density x passes) {plans}; "
           f"coordinator uplink {report['coordinator_uplink_mbps']:g} Mbit/s, worker links "
           f"{report['worker_link_mbps']:g} Mbit/s")
     print(f"{'n':>5} | {'frames: down MB':>15} {'coord up MB':>12} {'round s':>9} {'bound by':<19}"
-          f"| {'aggregate: down MB':>18} {'coord up MB':>12} {'round s':>9} {'bound by':<19}| {'frames/aggr':>11}")
+          f"| {'aggregate':>9} {'down MB':>8} {'coord up MB':>12} {'round s':>9} {'bound by':<19}| {'frames/aggr':>11}")
     for r in report["rows"]:
-        cells = "".join(f"| {r[m]['download_bytes'] / 1e6:>{15 + 3 * (m == 'aggregate')}.2f} "
+        plan = f"{r['broadcast_density']:g}x{r['broadcast_passes']}"
+        cells = "".join(f"| {plan + ' ' if m == 'aggregate' else ''}"
+                        f"{r[m]['download_bytes'] / 1e6:>{15 if m == 'frames' else 17 - len(plan)}.2f} "
                         f"{r[m]['coordinator_upload_bytes'] / 1e6:>12.1f} {r[m]['round_comm_s']:>9.3f} "
                         f"{r[m]['bound_by']:<19}" for m in MODES)
         print(f"{r['n']:>5} {cells}| {r['frames']['round_comm_s'] / r['aggregate']['round_comm_s']:>11.1f}")

@@ -3,7 +3,11 @@ SparseLoCo frames of GPT-2's 124M-parameter layout over real gRPC (no training) 
 coordinator process, n = 4, 16, 64 and 128, for each round-result mode asked
 (``--broadcast``, coordinator.broadcast: ``frames`` sends the round's n worker frames to
 every worker, ``aggregate`` one frame the coordinator compresses from their aggregate with
-its own error feedback, ``auto`` the smaller of the two).
+its own error feedback, ``auto`` the smaller of the two). ``aggregate`` runs at the config's
+broadcast density and passes unless ``--broadcast-density`` / ``--broadcast-passes`` say
+otherwise: by default the union of the round's frames, at most a quarter a frame, in up to
+four frames, so its download grows with n up to n = 64; ``--broadcast-density 0.03125``
+(twice the workers') is the one-frame setting whose download does not.
 
 Per mode and n it prints the coordinator's round-close time (the last frame's bytes in -> validated,
 broadcast, applied and digested: metrics.jsonl's close_seconds + coordinator_apply_seconds),
@@ -29,6 +33,7 @@ holds every row and, per mode, the ratios at n = 64 (or the largest n run).
 
     python -m benchmarks.scale                          # frames and aggregate, n = 4, 16, 64, 128
     python -m benchmarks.scale --broadcast frames --ns 64
+    python -m benchmarks.scale --broadcast aggregate --broadcast-density 0.03125   # one frame, whatever n
     python -m benchmarks.scale --quick                  # a 3M-parameter layout, n = 2, 4
 """
 
@@ -55,6 +60,7 @@ from geoloco.compression import Compressor, Layout, TensorSpec, decode_apply, de
 from geoloco.compression.memory import huge_page_buffer
 from geoloco.config import load_config
 from geoloco.coordinator.metrics import CLOSE_PHASES
+from geoloco.coordinator.outer import broadcast_density, broadcast_passes
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.protos import geoloco_pb2_grpc
 
@@ -86,11 +92,15 @@ def layout_for(quick: bool) -> Layout:
     return gpt2_layout(n_layer=2, d=256, vocab=8192, ctx=256) if quick else gpt2_layout()
 
 
-def run_config(n: int, run_dir: Path, broadcast: str = "frames"):
+def run_config(n: int, run_dir: Path, broadcast: str = "frames", density: float | None = None,
+               passes: int | None = None):
+    """The coordinator's run config; ``density`` and ``passes``: coordinator.broadcast_density
+    and broadcast_passes (None: the config's default, which follows n)."""
     return load_config(overrides={
         "workers": n, "rounds": ROUNDS, "run_dir": str(run_dir), "coordinator.listen": "127.0.0.1:0",
         "coordinator.token": TOKEN, "coordinator.deadline_s": 600.0, "coordinator.join_timeout_s": 1.0,
-        "coordinator.checkpoint_every": 0, "coordinator.val_every": 0, "coordinator.broadcast": broadcast})
+        "coordinator.checkpoint_every": 0, "coordinator.val_every": 0, "coordinator.broadcast": broadcast,
+        "coordinator.broadcast_density": density, "coordinator.broadcast_passes": passes})
 
 
 class NoValidation:
@@ -100,7 +110,8 @@ class NoValidation:
         return float("nan")
 
 
-def serve(n: int, run_dir: Path, quick: bool, broadcast: str) -> int:
+def serve(n: int, run_dir: Path, quick: bool, broadcast: str, density: float | None = None,
+          passes: int | None = None) -> int:
     """The coordinator process: the real state, servicer, round loop and server, over the
     layout's parameters instead of a model built from a task."""
     from grpc_health.v1 import health
@@ -118,7 +129,7 @@ def serve(n: int, run_dir: Path, quick: bool, broadcast: str) -> int:
     from geoloco.coordinator.state import CoordinatorState
     from geoloco.run_dir import PORT_FILE, write_atomic
 
-    cfg = run_config(n, run_dir, broadcast)
+    cfg = run_config(n, run_dir, broadcast, density, passes)
     coordinator_threads()  # the coordinator's process policy: threads and malloc arenas
     layout = layout_for(quick)
     params = zero_params(layout)
@@ -149,13 +160,16 @@ def peak_rss_mb() -> float:
     return float("nan")
 
 
-def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frames") -> dict:
+def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frames", density: float | None = None,
+            passes: int | None = None) -> dict:
     """One coordinator process with ``n`` simulated workers for ROUNDS rounds."""
     run_dir = tmp / f"{broadcast}-n{n}"
     run_dir.mkdir()
     log = open(run_dir / "coordinator.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.scale", "--serve", str(n), "--run-dir",
-                             str(run_dir), "--broadcast", broadcast, *(["--quick"] if quick else [])], stdout=log,
+                             str(run_dir), "--broadcast", broadcast, *(["--quick"] if quick else []),
+                             *([f"--broadcast-density={density}"] if density is not None else []),
+                             *([f"--broadcast-passes={passes}"] if passes is not None else [])], stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         port_file = run_dir / "coordinator.port"
@@ -207,7 +221,9 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
     close = statistics.median(m["close_seconds"] + m["coordinator_apply_seconds"] for m in lines)
     latencies.sort()
     down = statistics.median(m["download_bytes_per_worker"] for m in lines)
-    return {"broadcast": broadcast, "n": n, "close_s": close, "frames_per_s": n / close,
+    cfg = run_config(n, run_dir, broadcast, density, passes)
+    return {"broadcast": broadcast, "n": n, "broadcast_density": broadcast_density(cfg),
+            "broadcast_passes": broadcast_passes(cfg), "close_s": close, "frames_per_s": n / close,
             "mb_per_s": n * len(base) / close / 1e6,
             "push_p50_s": latencies[len(latencies) // 2], "push_p99_s": latencies[int(0.99 * (len(latencies) - 1))],
             "peak_rss_mb": rss, "download_bytes_per_worker": down, "coordinator_upload_bytes": n * down,
@@ -271,11 +287,15 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: frames,aggregate)")
     ap.add_argument("--ns", type=ns_arg, help=f"worker counts, comma separated (default: "
                     f"{','.join(map(str, DEFAULT_NS))}; --quick: {','.join(map(str, QUICK_NS))})")
+    ap.add_argument("--broadcast-density", type=float, help="coordinator.broadcast_density of the "
+                    "aggregate runs (default: the config's, the union of the round's frames)")
+    ap.add_argument("--broadcast-passes", type=int, help="coordinator.broadcast_passes of the aggregate runs")
     ap.add_argument("--serve", type=int, metavar="N", help=argparse.SUPPRESS)  # the coordinator process
     ap.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
-        return serve(args.serve, args.run_dir, args.quick, args.broadcast[0])
+        return serve(args.serve, args.run_dir, args.quick, args.broadcast[0], args.broadcast_density,
+                     args.broadcast_passes)
     layout = layout_for(args.quick)
     ns = args.ns or (QUICK_NS if args.quick else DEFAULT_NS)
     gen = torch.Generator().manual_seed(0)
@@ -292,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 # the reference beside each run, just before and just after it: this machine's
                 # speed moves between runs, and the target moves with it
                 before = decode_apply_s(layout, base)
-                row = measure(n, base, args.quick, Path(tmp), mode)
+                row = measure(n, base, args.quick, Path(tmp), mode, args.broadcast_density, args.broadcast_passes)
                 row["decode_apply_s"] = (before + decode_apply_s(layout, base)) / 2
                 rows.append(row)
     one = statistics.median(r["decode_apply_s"] for r in rows)
@@ -300,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
           f"decode_apply of one frame {one * 1e3:.1f} ms (median over the runs; each run's target takes "
           f"its own, measured just before and after it)")
     print(f"{'mode':>9} {'n':>4} {'close s':>8} {'target s':>9} {'dec.ap ms':>9} {'frames/s':>9} {'push p50':>9} "
-          f"{'push p99':>9} {'peak RSS MB':>12} {'RSS target':>11} {'down/worker MB':>15} {'coord up MB':>12}")
+          f"{'push p99':>9} {'peak RSS MB':>12} {'RSS target':>11} {'down/worker MB':>15} {'coord up MB':>12}"
+          f"  {'aggregate':<9}")
     for r in rows:
         state_mb = model_mb if r["broadcast"] != "frames" else 0.0  # the coordinator's error feedback
         r["close_target_s"] = 1.5 * r["n"] * r["decode_apply_s"]
@@ -309,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['decode_apply_s'] * 1e3:>9.2f} "
               f"{r['frames_per_s']:>9.1f} {r['push_p50_s']:>9.3f} {r['push_p99_s']:>9.3f} "
               f"{r['peak_rss_mb']:>12.0f} {r['rss_target_mb']:>11.0f} "
-              f"{r['download_bytes_per_worker'] / 1e6:>15.2f} {r['coordinator_upload_bytes'] / 1e6:>12.1f}")
+              f"{r['download_bytes_per_worker'] / 1e6:>15.2f} {r['coordinator_upload_bytes'] / 1e6:>12.1f}  "
+              + (f"{r['broadcast_density']:g} x {r['broadcast_passes']}" if r["broadcast"] != "frames" else "-"))
     print("\nwhere the close goes (s, median over rounds; resident MB at the end of each phase, max):")
     print(f"{'mode':>9} {'n':>4} " + " ".join(f"{p:>10}" for p in rows[0]["phases_s"]) + "  | "
           + " ".join(f"{p:>9}" for p in CLOSE_PHASES))

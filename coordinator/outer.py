@@ -6,6 +6,7 @@ as the workers send theirs)."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,15 +16,15 @@ import torch
 from torch import Tensor
 
 from geoloco.compression import Compressor, Layout, aggregate, decode_frame, encode_dense
-from geoloco.config import AUTO, OuterConfig, RunConfig
+from geoloco.config import AUTO, MAX_BROADCAST_PASSES, OuterConfig, RunConfig
 from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
 
 COORDINATOR_SENDER = 2**31 - 1  # sender id of the coordinator's own frames (fits int32 and u32)
-# coordinator.broadcast_density's default: this many times the workers' density (an
-# aggregate of n frames keeps more coordinates than one frame does)
-BROADCAST_DENSITY_FACTOR = 2.0
+# coordinator.broadcast_density's default: the union of the round's frames, at most this
+# density a frame, in as many frames as the union takes (docs/decisions.md, "One frame down")
+BROADCAST_PASS_DENSITY = 0.25
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ def make_outer(cfg: RunConfig, layout: Layout) -> OuterOptimizer:
     if method == "sparseloco":
         broadcast = cfg.coordinator.broadcast
         compressor = broadcast_compressor(cfg, layout) if broadcast != "frames" else None
-        return SparseLoCoOuter(layout, cfg.outer, broadcast, compressor, cfg.coordinator.broadcast_passes)
+        return SparseLoCoOuter(layout, cfg.outer, broadcast, compressor, broadcast_passes(cfg))
     if method == "diloco":
         return DiLoCoOuter(layout, cfg.outer, cfg.compression.dense_dtype)
     raise ValueError(f"compression.method {method!r} is not one of sparseloco, diloco")
@@ -255,10 +256,31 @@ def broadcast_compressor(cfg: RunConfig, layout: Layout) -> Compressor:
 
 
 def broadcast_density(cfg: RunConfig) -> float:
-    """coordinator.broadcast_density, or by default BROADCAST_DENSITY_FACTOR times the
-    workers' density (their starting density where it is "auto"), at most 1."""
+    """coordinator.broadcast_density, or by default the density of the union of the frames
+    a round aggregates (``union_density``), at most BROADCAST_PASS_DENSITY a frame."""
     density = cfg.coordinator.broadcast_density
     if density is not None:
         return float(density)
+    return min(BROADCAST_PASS_DENSITY, union_density(cfg))
+
+
+def broadcast_passes(cfg: RunConfig) -> int:
+    """coordinator.broadcast_passes, or by default 1 where the density is set, else the
+    frames of BROADCAST_PASS_DENSITY the union takes, at most MAX_BROADCAST_PASSES."""
+    co = cfg.coordinator
+    if co.broadcast_passes is not None:
+        return co.broadcast_passes
+    if co.broadcast_density is not None:
+        return 1
+    return min(MAX_BROADCAST_PASSES, max(1, math.ceil(union_density(cfg) / BROADCAST_PASS_DENSITY - 1e-9)))
+
+
+def union_density(cfg: RunConfig) -> float:
+    """What the frames of a round where every worker arrives keep at most, together: their
+    number (n; n / (s + 1) under an FR code, which takes one frame a group) times the
+    workers' density (their starting density where it is "auto"), at most 1."""
     workers = cfg.compression.density if cfg.compression.density != AUTO else START_DENSITY
-    return min(1.0, BROADCAST_DENSITY_FACTOR * float(workers))
+    frames = cfg.workers
+    if cfg.coding.scheme.endswith("-fr"):
+        frames //= cfg.coding.tolerance(cfg.workers) + 1
+    return min(1.0, frames * float(workers))

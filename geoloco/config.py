@@ -249,13 +249,17 @@ class CoordinatorConfig:
     # "aggregate", their aggregate compressed into one frame with the coordinator's own error
     # feedback (one frame whatever n); "auto", whichever of the two is smaller, each round
     broadcast: str = "frames"
-    # the aggregate's top-k density; None: twice the workers' compression.density
+    # the aggregate's top-k density; None: the union of the frames a round aggregates (how
+    # many times the workers' compression.density: n, or n / (s + 1) under an FR code), at
+    # most a quarter a frame, sent in as many frames as that takes (broadcast_passes), at
+    # most 4 (docs/decisions.md, "One frame down": what held the loss at n = 8, 16 and 32)
     broadcast_density: float | None = None
     # frames the aggregate is sent as: the first compresses it, each further one what the
     # frames before it left out, its two-bit quantization error included (the same error
     # feedback, no new input), so a coordinate may be sent with more levels than one frame's;
-    # more than one keeps a copy of the error feedback to undo a round (4 bytes a parameter)
-    broadcast_passes: int = 1
+    # more than one keeps a copy of the error feedback to undo a round (4 bytes a parameter).
+    # None: 1 where broadcast_density is set, else the frames the union takes at a quarter each
+    broadcast_passes: int | None = None
 
 
 @dataclass
@@ -644,7 +648,8 @@ def _check_coordinator(co: CoordinatorConfig) -> None:
     _check_choice("coordinator.broadcast", co.broadcast, BROADCASTS)
     if co.broadcast_density is not None:
         _check_range("coordinator.broadcast_density", co.broadcast_density, 1 / 4096, 1.0)
-    _check_range("coordinator.broadcast_passes", co.broadcast_passes, 1, MAX_BROADCAST_PASSES)
+    if co.broadcast_passes is not None:
+        _check_range("coordinator.broadcast_passes", co.broadcast_passes, 1, MAX_BROADCAST_PASSES)
     if co.token is not None and not co.token.strip():
         raise ConfigError("coordinator.token must not be empty")
     if co.worker_tokens_file is not None and (not isinstance(co.worker_tokens_file, str) or not co.worker_tokens_file):

@@ -7,7 +7,8 @@ runs in real processes in test_round_log), every
 worker finishes, every replica ends on the coordinator's parameters bit for bit, the loss
 falls, and each worker's download is what the mode sends: with ``frames`` the round header
 and every kept worker's frame, so it grows with n; with ``aggregate`` the header and one
-frame of the coordinator's, under two of the workers' frames whatever n (``gc-fr``: the
+frame of the coordinator's (at twice the workers' density), under two of the workers'
+frames whatever n (``gc-fr``: the
 group-mates of the chosen frames settle by CREDIT, with the mate's frame beside the
 aggregate)."""
 
@@ -41,7 +42,10 @@ def train(run_dir: Path, scheme: str, stragglers: int,
         "coordinator.listen": "127.0.0.1:0", "coordinator.token": TOKEN,
         "coordinator.checkpoint_every": 0, "coordinator.deadline_s": 600.0,
         "coordinator.join_timeout_s": 600.0, "coordinator.liveness_s": 600.0,
-        "coordinator.broadcast": broadcast})
+        "coordinator.broadcast": broadcast,
+        # one frame at twice the workers' density: the setting whose download does not grow
+        # with n (the default carries the union of the round's frames, which grows up to n = 64)
+        "coordinator.broadcast_density": 2 * load_config().compression.density if broadcast == "aggregate" else None})
     coordinator = Coordinator(cfg, run_dir)
     address = f"127.0.0.1:{coordinator.start()}"
     sessions = [Session(address, TOKEN, 120) for _ in range(N)]

@@ -19,10 +19,12 @@ from geoloco.coordinator.outer import (
     UpdateFrame,
     apply_update,
     broadcast_density,
+    broadcast_passes,
     make_outer,
 )
 from geoloco.coordinator.rounds import Arrival, ClosedRound, Decision
 from geoloco.protos import geoloco_pb2 as pb
+from geoloco.replica import START_DENSITY
 
 DENSITY = 64 / 4096
 
@@ -54,7 +56,7 @@ def step(outer: SparseLoCoOuter, arrivals: list[Arrival], round_: int):
 
 def test_aggregate_is_one_coordinator_frame_and_delays_what_it_leaves_out_never_loses_it() -> None:
     lay = layout()
-    outer = make_outer(run_config("aggregate"), lay)
+    outer = make_outer(run_config("aggregate", broadcast_density=2 * DENSITY), lay)
     params = [torch.zeros(s.shape) for s in lay.specs]
     wanted = [torch.zeros(s.shape) for s in lay.specs]  # the sum of the exact updates
     for r in range(4):
@@ -76,8 +78,7 @@ def test_aggregate_is_one_coordinator_frame_and_delays_what_it_leaves_out_never_
 
 def test_auto_takes_frames_for_few_workers_and_the_aggregate_for_many() -> None:
     lay = layout()
-    outer = make_outer(run_config("auto"), lay)
-    assert broadcast_density(run_config("auto")) == 2 * DENSITY
+    outer = make_outer(run_config("auto", broadcast_density=2 * DENSITY), lay)
     one = step(outer, worker_frames(lay, 1, 0), 0)  # one frame is smaller than the aggregate at 2x density
     assert not one.aggregated and [f.sender for f in one.frames] == [0]
     assert outer.compressor.error is None or all(not e.any() for e in outer.compressor.error)
@@ -85,6 +86,31 @@ def test_auto_takes_frames_for_few_workers_and_the_aggregate_for_many() -> None:
     assert many.aggregated and [f.sender for f in many.frames] == [COORDINATOR_SENDER]
     closed = ClosedRound(pb.RoundHeader(frames=[pb.FrameInfo(sender=f.sender) for f in many.frames]), (), {})
     assert broadcast_of(closed) == "aggregate"
+
+
+@pytest.mark.parametrize(("workers", "scheme", "stragglers", "density", "passes"), [
+    (2, "none", 0, 2 * DENSITY, 1), (8, "none", 0, 8 * DENSITY, 1), (16, "none", 0, 0.25, 1),
+    (32, "none", 0, 0.25, 2), (48, "gc-cr", 2, 0.25, 3), (64, "none", 0, 0.25, 4), (128, "none", 0, 0.25, 4),
+    (16, "gc-fr", 3, 4 * DENSITY, 1), (64, "pgc-fr", 1, 0.25, 2)])
+def test_the_default_broadcast_carries_the_union_of_the_frames_a_round_aggregates(
+        workers: int, scheme: str, stragglers: int, density: float, passes: int) -> None:
+    """Unset, coordinator.broadcast_density is the union's density (the frames a full round
+    aggregates, n or one a group under an FR code, times the workers' density), at most a
+    quarter a frame, in as many frames as that takes (at most 4): what held the loss at
+    n = 8, 16 and 32 (docs/decisions.md, "One frame down"). Set, it is one frame unless
+    broadcast_passes says otherwise."""
+    cfg = validate(RunConfig.from_dict({"workers": workers, "coding": {"scheme": scheme, "stragglers": stragglers},
+                                        "coordinator": {"broadcast": "aggregate"},
+                                        "compression": {"density": DENSITY}}))
+    assert (broadcast_density(cfg), broadcast_passes(cfg)) == (density, passes)
+    assert make_outer(cfg, layout()).passes == passes
+    set_density = run_config("aggregate", broadcast_density=0.5)
+    assert (broadcast_density(set_density), broadcast_passes(set_density)) == (0.5, 1)
+    both = run_config("aggregate", broadcast_density=0.1, broadcast_passes=3)
+    assert (broadcast_density(both), broadcast_passes(both)) == (0.1, 3)
+    auto = validate(RunConfig.from_dict({"workers": 4, "coordinator": {"broadcast": "aggregate"},
+                                         "compression": {"density": "auto", "target_push_s": 5.0}}))
+    assert broadcast_density(auto) == 4 * START_DENSITY
 
 
 def test_the_error_feedback_is_restored_bit_for_bit_and_a_discarded_update_leaves_it() -> None:
@@ -176,8 +202,8 @@ def test_a_second_pass_sends_what_the_first_left_out_and_is_undone_with_it() -> 
     aggregate than one; nothing is lost (decay 1), a discarded update puts the error
     feedback back as it was before both, and a replay makes the same two frames."""
     lay = layout()
-    cfg = run_config("aggregate", broadcast_passes=2)
-    one, two = make_outer(run_config("aggregate"), lay), make_outer(cfg, lay)
+    cfg = run_config("aggregate", broadcast_density=2 * DENSITY, broadcast_passes=2)
+    one, two = make_outer(run_config("aggregate", broadcast_density=2 * DENSITY), lay), make_outer(cfg, lay)
     arrivals = worker_frames(lay, 8, 0)
     exact = aggregate(lay, [a.frame for a in arrivals], [1.0] * 8, mode="mean_kept")
     single, double = step(one, arrivals, 0), step(two, arrivals, 0)
