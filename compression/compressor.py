@@ -190,6 +190,26 @@ class Compressor:
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)
         return self.write(self._encode(encoder, spares), round=round, sender=sender)
 
+    def compress_residual(self, *, round: int, sender: int) -> bytes:
+        """A further frame of what the error feedback holds, with no new input: the top-k of
+        ``e`` as ``compress`` takes it, and ``e -= decoded`` (coordinator.broadcast_passes).
+        In place: ``restore`` undoes it together with the ``compress`` before it, from the
+        same spare buffers or copy, so no other copy of the state is made."""
+        self._ensure_state(self.device or torch.device("cpu"))
+        encoder = self._encoder(self._state_device())
+        errors = self.error_live()
+        try:
+            if hasattr(encoder, "encode_pass"):
+                encoded = encoder.encode_pass(errors)
+            else:  # an in-place encoder: e = 1*e + 0
+                encoded = encoder.encode(errors, [torch.zeros_like(e) for e in errors], 1.0)
+        except NotFinite as bad:
+            name = self.layout.specs[self._live[bad.tensor]].name
+            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
+        for j, e in zip(self._live, encoded.errors, strict=True):
+            self.error[j] = e
+        return self.write(encoded, round=round, sender=sender)
+
     def error_live(self) -> list[torch.Tensor]:
         """The error-feedback buffers of the tensors that hold elements."""
         return [self.error[j] for j in self._live]

@@ -140,7 +140,6 @@ class SparseLoCoOuter(OuterOptimizer):
         self.compressor = compressor
         self.passes = passes  # frames the aggregate goes out as (coordinator.broadcast_passes)
         self._compressed = False  # the last step compressed: discard() undoes it
-        self._before: list[Tensor] | None = None  # passes > 1: the error feedback before the last step
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         weights, mode = mean_weights(decision, self.aggregation)
@@ -158,13 +157,10 @@ class SparseLoCoOuter(OuterOptimizer):
         if self.broadcast == "frames" or not frames:
             return as_frames
         c = self.compressor
-        if self.passes > 1:  # one compress can be undone by the compressor; several by this copy
-            c.ensure_state()
-            self._before = [e.clone() for e in c.error_live()]
         sent = [c.compress_aggregate([f.frame for f in frames], [f.weight for f in frames],
                                      mode=mode, round=round, sender=COORDINATOR_SENDER)]
-        for _ in range(1, self.passes):  # what the frames before left out: no new input
-            sent.append(c.compress_aggregate([], [], mode="sum", round=round, sender=COORDINATOR_SENDER))
+        for _ in range(1, self.passes):  # what the frames before left out: no new input, in place
+            sent.append(c.compress_residual(round=round, sender=COORDINATOR_SENDER))
         self._compressed = True
         if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= sum(len(d) for d in sent):
             self.discard()
@@ -175,12 +171,7 @@ class SparseLoCoOuter(OuterOptimizer):
     def discard(self) -> None:
         if not self._compressed:
             return
-        if self._before is not None:
-            for e, before in zip(self.compressor.error_live(), self._before, strict=True):
-                e.copy_(before)
-            self._before = None
-        else:
-            self.compressor.restore()
+        self.compressor.restore()  # every pass: the later ones are made in place
         self._compressed = False
 
     def state_dict(self) -> dict[str, Any]:

@@ -256,9 +256,9 @@ class CoordinatorConfig:
     broadcast_density: float | None = None
     # frames the aggregate is sent as: the first compresses it, each further one what the
     # frames before it left out, its two-bit quantization error included (the same error
-    # feedback, no new input), so a coordinate may be sent with more levels than one frame's;
-    # more than one keeps a copy of the error feedback to undo a round (4 bytes a parameter).
-    # None: 1 where broadcast_density is set, else the frames the union takes at a quarter each
+    # feedback, no new input, in place), so a coordinate may be sent with more levels than one
+    # frame's. None: 1 where broadcast_density is set, else the frames the union takes at a
+    # quarter each
     broadcast_passes: int | None = None
 
 

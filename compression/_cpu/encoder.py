@@ -93,6 +93,20 @@ class NumbaEncoder:
         return Encoded(spare, b"".join(tables), b"".join(codes), b"".join(index), joined)
 
 
+    def encode_pass(self, errors: list[torch.Tensor]) -> Encoded:
+        """One more pass over ``errors`` with no new input, in place: ``e`` stays ``e``
+        (``0*e + e``, exact), then its top-k and ``e -= decoded`` as ``encode`` does, written
+        back into ``errors``. The spares, and the state before the last ``encode`` they hold,
+        are not touched (the kernels read each element before they write it)."""
+        arrays = [self._numpy(e) for e in errors]
+        tables, codes, index, chunk_bytes, bad = run_encode(arrays, arrays, arrays, 0.0, codec_threads(), self.plans,
+                                                            self._plan_tuples)
+        if bad is not None:  # finite in, so finite out: a pass adds nothing
+            raise NotFinite(bad, in_delta=False)
+        joined = np.concatenate(chunk_bytes) if chunk_bytes else np.zeros(0, np.int64)
+        return Encoded(list(errors), b"".join(tables), b"".join(codes), b"".join(index), joined)
+
+
 def first_nonfinite(deltas: list[np.ndarray], n_threads: int) -> int | None:
     """Index of the first delta holding NaN or Inf, or None (only after a failed encode:
     to tell a bad delta from error feedback that overflowed)."""

@@ -231,3 +231,27 @@ def test_a_second_pass_sends_what_the_first_left_out_and_is_undone_with_it() -> 
     assert [f.data for f in step(two, worker_frames(lay, 8, 1), 1).frames] == [f.data for f in again.frames]
     with pytest.raises(ConfigError, match="broadcast_passes"):
         run_config("aggregate", broadcast_passes=0)
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+def test_a_further_pass_in_place_is_the_pass_through_the_spares_and_restores_with_the_first(backend: str) -> None:
+    """``compress_residual`` (coordinator.broadcast_passes > 1) makes the frame and the error
+    feedback a no-input ``compress_aggregate`` makes, bit for bit, without touching the
+    state a ``restore`` goes back to: a restore after two passes is the state before both,
+    and no copy of the state is made for it."""
+    lay = layout()
+    in_place, through = (Compressor(lay, density=2 * DENSITY, beta=1.0, undoable=True, backend=backend)
+                         for _ in range(2))
+    for r in range(3):
+        frames = [a.frame for a in worker_frames(lay, 4, r)]
+        before = [e.clone() for e in in_place.error] if in_place.error is not None else None
+        for c in (in_place, through):
+            c.compress_aggregate(frames, [1.0] * 4, mode="mean_kept", round=r, sender=COORDINATOR_SENDER)
+        got = in_place.compress_residual(round=r, sender=COORDINATOR_SENDER)
+        want = through.compress_aggregate([], [], mode="sum", round=r, sender=COORDINATOR_SENDER)
+        assert got == want, f"round {r}: the second frames differ"
+        assert all(torch.equal(a, b) for a, b in zip(in_place.error, through.error, strict=True))
+        if r == 1 and before is not None:  # both passes undone at once
+            in_place.restore()
+            assert all(torch.equal(a, b) for a, b in zip(in_place.error, before, strict=True))
+            break
