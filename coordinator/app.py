@@ -31,7 +31,13 @@ from geoloco.coordinator.gradient_coding import GradientCode, make_code
 from geoloco.coordinator.limits import RPCS, STREAMS_PER_WORKER, UNAUTHENTICATED_AT_ONCE
 from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import MetricsWriter, RunTotals
-from geoloco.coordinator.outer import OuterOptimizer, aggregation_note, make_outer
+from geoloco.coordinator.outer import (
+    OuterOptimizer,
+    aggregation_note,
+    broadcast_density,
+    broadcast_passes,
+    make_outer,
+)
 from geoloco.coordinator.prometheus import CoordinatorMetrics
 from geoloco.coordinator.registry import WorkerRegistry
 from geoloco.coordinator.rounds import RoundState, close_policy
@@ -105,6 +111,11 @@ class Coordinator:
         self.layout, params = _params_on_huge_pages(model)
         self.code = make_code(cfg.coding.scheme, cfg.workers, cfg.coding.tolerance(cfg.workers), cfg.coding.seed)
         outer = make_outer(cfg, self.layout)
+        if cfg.coordinator.broadcast != "frames" and cfg.compression.method == "sparseloco":
+            log.info("coordinator.broadcast %s: the aggregate at density %.4g in %d frame(s) a round%s",
+                     cfg.coordinator.broadcast, broadcast_density(cfg), broadcast_passes(cfg),
+                     "" if cfg.coordinator.broadcast_density is not None else
+                     " (the union of the round's frames; coordinator.broadcast_density sets it)")
         registry = WorkerRegistry(cfg.workers, token, worker_tokens)
         for stale in checkpoint.remove_stale(self.run_dir):
             log.info("removed %s, left by a write that was cut off", stale)
