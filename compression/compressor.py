@@ -180,6 +180,8 @@ class Compressor:
         self._ensure_state(self.device or torch.device("cpu"))
         device = self._state_device()
         encoder = self._encoder(device)
+        if not self.undoable and hasattr(encoder, "encode_pass"):
+            return self._aggregate_in_place(encoder, frames, weights, mode, round, sender)
         spares = encoder.spares(self.error_live()) if hasattr(encoder, "spares") else None
         if spares is None:
             return self.compress(aggregate(self.layout, frames, weights, mode=mode, device=device),
@@ -189,6 +191,28 @@ class Compressor:
             into[j] = spare.view(self.layout.specs[j].shape).zero_()
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)
         return self.write(self._encode(encoder, spares), round=round, sender=sender)
+
+    def _aggregate_in_place(self, encoder, frames: list[Frame], weights: Sequence[float], mode: str, round: int,
+                            sender: int) -> bytes:
+        """compress_aggregate with no spare buffers (not ``undoable``, numba): the frames are
+        added straight into the error feedback (``e + 1*U``, the fused apply: the bits of
+        ``1*e + (0 + 1*U)``), then one in-place pass encodes it. Nothing can undo it, and a
+        NaN or Inf found by the pass leaves the state changed, so the caller bounds what it
+        adds first (coordinator.outer.SparseLoCoOuter, in-place ``aggregate``)."""
+        from .apply import apply_frames  # apply imports this module's neighbours
+
+        errors = self.error_live()
+        into = [torch.zeros(0) for _ in self.layout.specs]
+        for j, e in zip(self._live, errors, strict=True):
+            into[j] = e.view(self.layout.specs[j].shape)
+        apply_frames(into, frames, weights, mode=mode, alpha=1.0)
+        self._before = None
+        try:
+            encoded = encoder.encode_pass(errors)
+        except NotFinite as bad:
+            name = self.layout.specs[self._live[bad.tensor]].name
+            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
+        return self.write(encoded, round=round, sender=sender)
 
     def compress_residual(self, *, round: int, sender: int) -> bytes:
         """A further frame of what the error feedback holds, with no new input: the top-k of

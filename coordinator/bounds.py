@@ -100,6 +100,15 @@ class FrameBounds:
             rs.bound(set(verdict.rejected), verdict.scale, policy)
         return verdict
 
+    def admits(self, move: float) -> bool:
+        """``safe``'s test for a move known only as a bound (before the step that makes it;
+        ``OuterOptimizer.worst_move``), remembering nothing: ``safe`` of the update follows."""
+        if not math.isfinite(move):
+            return False
+        if self.theta_bound + move >= FINITE_LIMIT:
+            self.theta_bound = _max_abs(self.params)  # the running bound only grows: measure
+        return self.theta_bound + move < FINITE_LIMIT
+
     def safe(self, update: Update) -> bool:
         """True when ``update`` cannot make a parameter non-finite: max|θ| plus the most
         any coordinate can move, |alpha| x sum |w_i| x max|v_i|, stays below FINITE_LIMIT.

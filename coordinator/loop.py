@@ -28,7 +28,7 @@ from geoloco.coordinator.metrics import (
     round_metrics,
 )
 from geoloco.coordinator.outer import OuterOptimizer, Update
-from geoloco.coordinator.rounds import ClosedRound, ClosePolicy, RoundState
+from geoloco.coordinator.rounds import Arrival, ClosedRound, ClosePolicy, Decision, RoundState
 from geoloco.coordinator.state import CoordinatorState
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.schedule import lr_at
@@ -155,14 +155,17 @@ class RoundLoop:
         self.policy.observe(rs.times())
         verdict = self.bounds.bound_round(rs, self.policy)
         phases.end("bounds")
-        update = self.outer.step(rs.round, rs.chosen(), rs.decision)
+        chosen = rs.chosen()
+        admitted = self.admits(chosen, rs.decision)
+        update = self.outer.step(rs.round, chosen, rs.decision) if admitted else Update([], "sum", 1.0)
         settlements = {i: self.policy.settlement(rs.decision, i) for i in range(self.cfg.workers)}
         if update.aggregated:
             attach_mate_frames(settlements, rs)
-        if not self.bounds.safe(update):
+        if not admitted or not self.bounds.safe(update):
             log.error("round %d: the update of workers %s could make parameters non-finite; "
-                      "committing no change", rs.round, [f.sender for f in update.sources or update.frames])
-            self.outer.discard()
+                      "committing no change", rs.round, sorted(arr.worker for arr, _ in chosen))
+            if admitted:
+                self.outer.discard()
             update = Update([], "sum", 1.0)
             # nothing was applied: every worker keeps its message in its error feedback
             settlements = {i: pb.Settlement(kind=pb.Settlement.RESTORE) for i in settlements}
@@ -184,6 +187,16 @@ class RoundLoop:
         val = self.validate() if self.val_due(rs.round + 1) else None
         self.record(rs, closed, timing, val, verdict.reference)
         self.checkpoint_if_due(rs.round + 1)
+
+    def admits(self, chosen: list[tuple[Arrival, float]], decision: Decision) -> bool:
+        """Whether the frame guard admits the round before its step, where the step cannot
+        be undone (an in-place aggregate: ``OuterOptimizer.worst_move``); a running bound
+        that does not admit it is measured once before it refuses."""
+        move = self.outer.worst_move(chosen, decision)
+        if move is None or self.bounds.admits(move):
+            return True
+        self.outer.measure_bound()
+        return self.bounds.admits(self.outer.worst_move(chosen, decision))
 
     def log_decision(self, rs: RoundState, closed: ClosedRound, update: Update) -> None:
         """The close decision to the round log, durably, before anything is broadcast. A

@@ -21,6 +21,9 @@ from geoloco.coordinator.gradient_coding import GradientCode
 from geoloco.coordinator.rounds import Arrival, Decision
 from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
 
+# a bfloat16 level may stand above the largest magnitude it quantizes by its rounding (2^-8
+# of it at most): the slack a pass allows the bound on the error feedback
+LEVEL_SLACK = 1 + 2**-7
 COORDINATOR_SENDER = 2**31 - 1  # sender id of the coordinator's own frames (fits int32 and u32)
 # coordinator.broadcast_density's default: the union of the round's frames, at most this
 # density a frame, in as many frames as the union takes (docs/decisions.md, "One frame down")
@@ -110,6 +113,16 @@ class OuterOptimizer(ABC):
         """The update of the last ``step`` is not committed: undo what it did to this
         optimizer's state where that can be undone (DiLoCo's momentum keeps it)."""
 
+    def worst_move(self, chosen: list[tuple[Arrival, float]], decision: Decision) -> float | None:
+        """For an optimizer whose ``step`` cannot be undone: the most any coordinate of the
+        update ``step`` would make of these frames can move, for the frame guard to admit
+        before the step (``FrameBounds.admits``). None: ``discard`` undoes a step."""
+        del chosen, decision
+        return None
+
+    def measure_bound(self) -> None:  # noqa: B027 - only an in-place step keeps a bound
+        """Tighten what ``worst_move`` rests on by measuring it (a running bound only grows)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -140,6 +153,10 @@ class SparseLoCoOuter(OuterOptimizer):
         self.compressor = compressor
         self.passes = passes  # frames the aggregate goes out as (coordinator.broadcast_passes)
         self._compressed = False  # the last step compressed: discard() undoes it
+        # ``aggregate`` compresses in place (no spare buffers, nothing to undo): a running
+        # bound on max|error feedback| lets the guard admit a round before it changes it
+        self.in_place = broadcast == "aggregate" and compressor is not None and not compressor.undoable
+        self.ef_bound: float | None = None  # None: measure it when next needed
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
         weights, mode = mean_weights(decision, self.aggregation)
@@ -157,11 +174,14 @@ class SparseLoCoOuter(OuterOptimizer):
         if self.broadcast == "frames" or not frames:
             return as_frames
         c = self.compressor
+        grown = self._bound_after(frames) if self.in_place else None
         sent = [c.compress_aggregate([f.frame for f in frames], [f.weight for f in frames],
                                      mode=mode, round=round, sender=COORDINATOR_SENDER)]
         for _ in range(1, self.passes):  # what the frames before left out: no new input, in place
             sent.append(c.compress_residual(round=round, sender=COORDINATOR_SENDER))
         self._compressed = True
+        if grown is not None:
+            self.ef_bound = grown
         if self.broadcast == AUTO and sum(len(f.data) for f in frames) <= sum(len(d) for d in sent):
             self.discard()
             return as_frames
@@ -171,8 +191,36 @@ class SparseLoCoOuter(OuterOptimizer):
     def discard(self) -> None:
         if not self._compressed:
             return
+        if self.in_place:  # worst_move admitted it: the guard cannot refuse what it admitted
+            raise RuntimeError("an in-place aggregate cannot be undone; the frame guard admitted it before the step")
         self.compressor.restore()  # every pass: the later ones are made in place
         self._compressed = False
+
+    def worst_move(self, chosen: list[tuple[Arrival, float]], decision: Decision) -> float | None:
+        """In place: |lr| x passes x the largest value a pass can send, which is at most the
+        error feedback's bound plus what the frames add (sum |w| max|v|), with LEVEL_SLACK a
+        pass. None otherwise (``discard`` undoes the step)."""
+        if not self.in_place or not chosen:
+            return None
+        weights, _ = mean_weights(decision, self.aggregation)
+        frames = [UpdateFrame(arr.worker, w, arr.data, arr.frame) for (arr, _), w in zip(chosen, weights, strict=True)]
+        return abs(self.lr) * self.passes * self._bound_after(frames)
+
+    def _bound_after(self, frames: list[UpdateFrame]) -> float:
+        """A bound on max|error feedback| after a step of ``frames``, and on every value its
+        frames send: before, plus the most the frames add to a coordinate (the mean over
+        keepers adds no more than the weighted sum), LEVEL_SLACK for each pass."""
+        if self.ef_bound is None:
+            self.measure_bound()
+        added = sum(abs(f.weight) * f.frame.magnitudes()[1] for f in frames)
+        return (self.ef_bound + added) * LEVEL_SLACK ** self.passes
+
+    def measure_bound(self) -> None:
+        if self.in_place:
+            c = self.compressor
+            c.ensure_state()
+            self.ef_bound = max((max(float(e.max()), -float(e.min())) for e in c.error_live() if e.numel()),
+                                default=0.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {"broadcast_error_feedback": self.compressor.state_dict()} if self.compressor else {}
@@ -181,6 +229,7 @@ class SparseLoCoOuter(OuterOptimizer):
         saved = state.get("broadcast_error_feedback")
         if self.compressor is not None and saved is not None:
             self.compressor.load_state_dict(saved)
+            self.ef_bound = None
 
 
 class DiLoCoOuter(OuterOptimizer):
@@ -240,10 +289,11 @@ def make_outer(cfg: RunConfig, layout: Layout) -> OuterOptimizer:
 
 def broadcast_compressor(cfg: RunConfig, layout: Layout) -> Compressor:
     """The coordinator's compressor of aggregated results: the workers' codec at
-    ``broadcast_density``, error-feedback decay 1, undoable (``auto`` and a discarded
-    update put its state back)."""
+    ``broadcast_density``, error-feedback decay 1; undoable under ``auto`` (a round sent as
+    frames, or a discarded update, puts its state back: the encoder's spare buffers), in
+    place under ``aggregate`` (no spare buffers: one fp32 copy of the model less)."""
     return sparse_compressor(layout, cfg.compression, density=broadcast_density(cfg), beta=1.0,
-                             undoable=True)
+                             undoable=cfg.coordinator.broadcast == AUTO)
 
 
 def broadcast_density(cfg: RunConfig) -> float:

@@ -6,12 +6,16 @@ replay from the round log bit for bit; a discarded update leaves it as it was.""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from geoloco.compression import Compressor, Layout, aggregate, decode_frame
-from geoloco.config import ConfigError, RunConfig, validate
+from geoloco.config import ConfigError, GuardConfig, RunConfig, validate
 from geoloco.coordinator import roundlog
+from geoloco.coordinator.bounds import FrameBounds
+from geoloco.coordinator.loop import RoundLoop
 from geoloco.coordinator.metrics import broadcast_of
 from geoloco.coordinator.outer import (
     COORDINATOR_SENDER,
@@ -115,10 +119,10 @@ def test_the_default_broadcast_carries_the_union_of_the_frames_a_round_aggregate
 
 def test_the_error_feedback_is_restored_bit_for_bit_and_a_discarded_update_leaves_it() -> None:
     lay = layout()
-    cfg = run_config("aggregate", broadcast_density=0.01)
+    cfg = run_config("auto", broadcast_density=0.01)  # undoable: "aggregate" compresses in place
     outer = make_outer(cfg, lay)
     for r in range(2):
-        step(outer, worker_frames(lay, 4, r), r)
+        assert step(outer, worker_frames(lay, 4, r), r).aggregated
     saved = outer.state_dict()
     restored = make_outer(cfg, lay)
     restored.load_state_dict(saved)
@@ -202,7 +206,7 @@ def test_a_second_pass_sends_what_the_first_left_out_and_is_undone_with_it() -> 
     aggregate than one; nothing is lost (decay 1), a discarded update puts the error
     feedback back as it was before both, and a replay makes the same two frames."""
     lay = layout()
-    cfg = run_config("aggregate", broadcast_density=2 * DENSITY, broadcast_passes=2)
+    cfg = run_config("auto", broadcast_density=2 * DENSITY, broadcast_passes=2)  # undoable
     one, two = make_outer(run_config("aggregate", broadcast_density=2 * DENSITY), lay), make_outer(cfg, lay)
     arrivals = worker_frames(lay, 8, 0)
     exact = aggregate(lay, [a.frame for a in arrivals], [1.0] * 8, mode="mean_kept")
@@ -255,3 +259,70 @@ def test_a_further_pass_in_place_is_the_pass_through_the_spares_and_restores_wit
             in_place.restore()
             assert all(torch.equal(a, b) for a, b in zip(in_place.error, before, strict=True))
             break
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean_kept"])
+def test_the_aggregate_made_in_place_is_the_one_made_through_the_spares_bit_for_bit(mode: str) -> None:
+    """Without ``undoable`` (coordinator.broadcast ``aggregate``) the numba compressor adds
+    the frames straight into its error feedback and encodes it in place, holding no spare
+    buffers: the same frames and error feedback as the undoable path through the spares,
+    round after round, one frame or several, and further passes too."""
+    lay = layout()
+    in_place = Compressor(lay, density=2 * DENSITY, beta=1.0, backend="numba")
+    spared = Compressor(lay, density=2 * DENSITY, beta=1.0, undoable=True, backend="numba")
+    for r in range(4):
+        n = 1 if r == 2 else 5
+        frames = [a.frame for a in worker_frames(lay, n, r)]
+        weights = [0.5, 1.0, 0.25, 2.0, 1.0][:n]
+        got = [in_place.compress_aggregate(frames, weights, mode=mode, round=r, sender=COORDINATOR_SENDER),
+               in_place.compress_residual(round=r, sender=COORDINATOR_SENDER)]
+        want = [spared.compress_aggregate(frames, weights, mode=mode, round=r, sender=COORDINATOR_SENDER),
+                spared.compress_residual(round=r, sender=COORDINATOR_SENDER)]
+        assert got == want, f"round {r}: the frames differ"
+        assert all(torch.equal(a, b) for a, b in zip(in_place.error, spared.error, strict=True)), r
+    assert in_place._encoder(torch.device("cpu"))._spare is None  # no second copy was made
+    with pytest.raises(RuntimeError, match="undoable"):
+        in_place.restore()
+
+
+def test_an_in_place_aggregate_is_admitted_on_a_bound_that_holds_and_a_hostile_round_is_refused_untouched() -> None:
+    """Under ``aggregate`` nothing can undo a step, so the guard admits a round before it
+    (``worst_move``, ``FrameBounds.admits``): the bound it rests on holds round after round
+    (no broadcast value moves a coordinate further, no error feedback grows past it, two
+    passes included), and a round whose frames could overflow the parameters is refused
+    before the error feedback is touched; measuring the bound again does not admit it."""
+    lay = layout()
+    outer = make_outer(run_config("aggregate", broadcast_passes=2), lay)
+    assert outer.in_place and not outer.compressor.undoable
+    bounds = FrameBounds(GuardConfig(), [torch.zeros(s.shape) for s in lay.specs])
+    for r in range(4):
+        arrivals = worker_frames(lay, 8, r)
+        decision = Decision({a.worker: 1.0 for a in arrivals}, len(arrivals), "all arrived")
+        chosen = [(a, 1.0) for a in arrivals]
+        move = outer.worst_move(chosen, decision)
+        assert bounds.admits(move)
+        update = outer.step(r, chosen, decision)
+        actual = abs(update.alpha) * sum(f.frame.magnitudes()[1] for f in update.frames)
+        assert 0 < actual <= move, (r, actual, move)
+        largest = max(float(e.abs().max()) for e in outer.compressor.error)
+        assert largest <= outer.ef_bound, (r, largest, outer.ef_bound)
+        assert bounds.safe(update)
+    with pytest.raises(RuntimeError, match="cannot be undone"):
+        outer.discard()
+
+    hostile = []
+    for i in range(8):
+        gen = torch.Generator().manual_seed(99 + i)
+        data = Compressor(lay, density=DENSITY).compress([torch.randn(s.shape, generator=gen) * 1e29
+                                                          for s in lay.specs], round=4, sender=i)
+        hostile.append(Arrival(i, data, decode_frame(data, lay)))
+    decision = Decision({a.worker: 1.0 for a in hostile}, len(hostile), "all arrived")
+    before = [e.clone() for e in outer.compressor.error]
+    assert not bounds.admits(outer.worst_move([(a, 1.0) for a in hostile], decision))
+    outer.measure_bound()
+    assert not bounds.admits(outer.worst_move([(a, 1.0) for a in hostile], decision))
+    loop = SimpleNamespace(outer=outer, bounds=bounds)  # what the round loop's check reads
+    assert not RoundLoop.admits(loop, [(a, 1.0) for a in hostile], decision)
+    assert RoundLoop.admits(loop, chosen, Decision({a.worker: 1.0 for a in arrivals}, 8, "all arrived"))
+    assert all(torch.equal(a, b) for a, b in zip(outer.compressor.error, before, strict=True))
+    assert make_outer(run_config("auto"), lay).worst_move([(a, 1.0) for a in hostile], decision) is None
