@@ -172,6 +172,34 @@ def test_decode_apply_adds_the_same_bits(backend, case, reference_runs):
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("slab_bytes", [None, 1])
+@pytest.mark.parametrize("case", CASES[::2], ids=_case_id)
+def test_a_frame_applied_without_its_positions_adds_the_bits_of_one_that_kept_them(case, slab_bytes, reference_runs,
+                                                                                     monkeypatch):
+    """One frame applied on its own (the coordinator's own frames, mode ``sum``) decodes its
+    positions a slab of segments at a time and keeps none (numba): the reference's bits,
+    those of the same frame decoded with its positions kept, and the body holds no
+    positions after. slab_bytes 1: a slab of the fewest segments, so a frame takes many."""
+    if "numba" not in BACKENDS:
+        pytest.skip("the numba backend is not installed")
+    from geoloco.compression._cpu import decoder
+    if slab_bytes is not None:
+        monkeypatch.setattr(decoder, "SLAB_BYTES", slab_bytes)
+    layout = _layout(case[0])
+    frames, _ = _reference(reference_runs, case, *CODECS[0])
+    start = [values(s.shape, "normal", 97) for s in layout.specs]
+    bare, kept, want = ([p.clone() for p in start] for _ in range(3))
+    for r, data in enumerate(frames):
+        frame = decode_frame(data, layout, backend="numba")
+        apply_frames(bare, [frame], [0.5 + r], alpha=-0.3)
+        assert not frame.body.ready  # nothing decoded was kept
+        apply_frames(kept, [decode_frame(data, layout, backend="numba", keep_positions=True)], [0.5 + r], alpha=-0.3)
+        apply_frames(want, [decode_frame(data, layout, backend="reference")], [0.5 + r], alpha=-0.3)
+    for a, b, c in zip(bare, kept, want, strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)) and torch.equal(a.view(torch.int32),
+                                                                                     c.view(torch.int32))
+
+
 @pytest.mark.parametrize("backend", OTHERS)
 @pytest.mark.parametrize("mode", ["sum", "mean_kept"])
 @pytest.mark.parametrize("case", CASES[::2], ids=_case_id)
