@@ -186,7 +186,7 @@ class Compressor:
         if spares is None:
             return self.compress(aggregate(self.layout, frames, weights, mode=mode, device=device),
                                  round=round, sender=sender)
-        into = [torch.zeros(0) for _ in self.layout.specs]
+        into = [torch.zeros(spec.shape) if spec.numel == 0 else torch.zeros(0) for spec in self.layout.specs]
         for j, spare in zip(self._live, spares, strict=True):
             into[j] = spare.view(self.layout.specs[j].shape).zero_()
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)
@@ -202,7 +202,7 @@ class Compressor:
         from .apply import apply_frames  # apply imports this module's neighbours
 
         errors = self.error_live()
-        into = [torch.zeros(0) for _ in self.layout.specs]
+        into = [torch.zeros(spec.shape) if spec.numel == 0 else torch.zeros(0) for spec in self.layout.specs]
         for j, e in zip(self._live, errors, strict=True):
             into[j] = e.view(self.layout.specs[j].shape)
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)

@@ -326,3 +326,17 @@ def test_an_in_place_aggregate_is_admitted_on_a_bound_that_holds_and_a_hostile_r
     assert RoundLoop.admits(loop, chosen, Decision({a.worker: 1.0 for a in arrivals}, 8, "all arrived"))
     assert all(torch.equal(a, b) for a, b in zip(outer.compressor.error, before, strict=True))
     assert make_outer(run_config("auto"), lay).worst_move([(a, 1.0) for a in hostile], decision) is None
+
+
+def test_an_aggregate_of_a_layout_with_empty_tensors_is_made_both_ways() -> None:
+    """A layout with a tensor of no elements, shaped (0, 7): both paths take it (the
+    parameters the frames are added into keep each tensor's shape) and agree."""
+    lay = Layout.from_named_tensors([("w", torch.zeros(64, 96)), ("e", torch.zeros(0, 7)), ("b", torch.zeros(5))])
+    gen = torch.Generator().manual_seed(5)
+    data = Compressor(lay, density=DENSITY).compress([torch.randn(s.shape, generator=gen) for s in lay.specs],
+                                                    round=0, sender=0)
+    made = [Compressor(lay, density=0.05, beta=1.0, undoable=undoable, backend="numba").compress_aggregate(
+        [decode_frame(data, lay)], [1.0], mode="mean_kept", round=0, sender=COORDINATOR_SENDER)
+        for undoable in (True, False)]
+    assert made[0] == made[1]
+    assert decode_frame(made[0], lay).kept > 0
