@@ -152,11 +152,29 @@ def test_kept_values_are_the_decoded_values_without_the_indices(backend, case, r
         got = decode_frame(data, layout, backend=backend)
         for x, y in zip(got.body.kept_values(), want.values, strict=True):
             assert x.dtype == y.dtype == torch.float32 and torch.equal(x, y)
-        exact = math.sqrt(math.fsum(float(v) ** 2 for x in want.values for v in x.double()))
+        exact = math.sqrt(math.fsum(v * v for x in want.values for v in x.double().tolist()))
         largest = max((float(x.abs().max()) for x in want.values if x.numel()), default=0.0)
         for norm, big in (got.magnitudes(), want.magnitudes()):
             assert norm == pytest.approx(exact, rel=1e-12, abs=0.0) and big == largest
         assert not getattr(got.body, "ready", False)  # no positions were decoded
+
+
+@pytest.mark.parametrize("backend", OTHERS)
+@pytest.mark.parametrize("case", [CASES[3], CASES[7], CASES[10]], ids=_case_id)
+def test_magnitudes_agree_in_every_table_and_index_coding(backend, case, reference_runs):
+    """A frame's magnitudes from its codes and levels read each table mode's levels (per
+    chunk, per tensor; 4-bin frames are the reference's own) and either index coding: on
+    three small cases (empty and 0-d tensors, ties, magnitudes 2^+-60), as the other
+    codecs' reference frames are slow to make at size."""
+    layout = _layout(case[0])
+    for table, coding in CODECS:
+        frames, _ = _reference(reference_runs, case, table, coding)
+        for data in frames:
+            want = decode_frame(data, layout, backend="reference")
+            norm, big = decode_frame(data, layout, backend=backend).magnitudes()
+            exact = math.sqrt(math.fsum(v * v for x in want.values for v in x.double().tolist()))
+            assert norm == pytest.approx(exact, rel=1e-12, abs=0.0), (table, coding)
+            assert big == max((float(x.abs().max()) for x in want.values if x.numel()), default=0.0), (table, coding)
 
 
 @pytest.mark.parametrize("backend", OTHERS)
@@ -281,7 +299,7 @@ def test_several_frames_of_other_codec_parameters_take_the_reference(backend):
 
 
 @pytest.mark.parametrize("backend", NAMES)
-@pytest.mark.parametrize("case", [c for c in CASES if math.prod(c[0][0]) <= 100_000], ids=_case_id)
+@pytest.mark.parametrize("case", [CASES[3], CASES[7], CASES[10]], ids=_case_id)
 def test_frames_meet_the_definition(backend, case):
     """Decoded, a frame holds per chunk exactly the top-k of the error feedback (equal
     magnitudes to the lower position), each as sign x hi or lo, the levels the bfloat16
@@ -325,7 +343,7 @@ def _check_tensor(g: ChunkGrid, k_full: int, per_chunk: bool, pre, indices, vals
 
 
 @pytest.mark.parametrize("backend", NAMES)
-@pytest.mark.parametrize("case", [c for c in CASES if math.prod(c[0][0]) <= 100_000], ids=_case_id)
+@pytest.mark.parametrize("case", [CASES[3], CASES[7], CASES[10]], ids=_case_id)
 def test_bins_frames_meet_the_reference_quantizer(backend, case):
     """With table="bins": per chunk the top-k as above; per tensor, each kept value codes
     as its bin round(centred / (6 sigma / 4) + 2) clamped to 0..3 (centred on the mean,
