@@ -53,8 +53,19 @@ def corpus(task: TaskConfig) -> dict[str, Any]:
     return {"corpus": source, "data_fingerprint": build_task(task, 1).fingerprint}
 
 
+# the checkout as the benchmark's process started (it imports this module at its start): the
+# code that ran, whatever is committed while it runs
+COMMIT_AT_START = git_commit()
+
+
 def provenance(task: TaskConfig | None = None) -> dict[str, Any]:
     """``{"corpus", "data_fingerprint", "versions"}`` for a benchmark's JSON line;
-    ``task`` None for a benchmark that reads no corpus (synthetic tensors: both None)."""
+    ``task`` None for a benchmark that reads no corpus (synthetic tensors: both None).
+    ``versions.commit`` is the checkout when the process started; where it has moved since,
+    ``versions.commit_at_end`` says to what."""
     data = corpus(task) if task is not None else {"corpus": None, "data_fingerprint": None}
-    return {**data, "versions": {**versions(), "commit": git_commit()}}
+    found: dict[str, Any] = {**versions(), "commit": COMMIT_AT_START}
+    now = git_commit()
+    if now != COMMIT_AT_START:
+        found["commit_at_end"] = now
+    return {**data, "versions": found}
