@@ -299,7 +299,7 @@ def test_several_frames_of_other_codec_parameters_take_the_reference(backend):
 
 
 @pytest.mark.parametrize("backend", NAMES)
-@pytest.mark.parametrize("case", [CASES[3], CASES[7], CASES[10]], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in CASES if math.prod(c[0][0]) <= 100_000], ids=_case_id)
 def test_frames_meet_the_definition(backend, case):
     """Decoded, a frame holds per chunk exactly the top-k of the error feedback (equal
     magnitudes to the lower position), each as sign x hi or lo, the levels the bfloat16
@@ -343,7 +343,7 @@ def _check_tensor(g: ChunkGrid, k_full: int, per_chunk: bool, pre, indices, vals
 
 
 @pytest.mark.parametrize("backend", NAMES)
-@pytest.mark.parametrize("case", [CASES[3], CASES[7], CASES[10]], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in CASES if math.prod(c[0][0]) <= 100_000], ids=_case_id)
 def test_bins_frames_meet_the_reference_quantizer(backend, case):
     """With table="bins": per chunk the top-k as above; per tensor, each kept value codes
     as its bin round(centred / (6 sigma / 4) + 2) clamped to 0..3 (centred on the mean,
