@@ -9,7 +9,8 @@ through the torch reference; both give the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -207,11 +208,8 @@ class Compressor:
             into[j] = e.view(self.layout.specs[j].shape)
         apply_frames(into, frames, weights, mode=mode, alpha=1.0)
         self._before = None
-        try:
+        with self._named_not_finite():
             encoded = encoder.encode_pass(errors)
-        except NotFinite as bad:
-            name = self.layout.specs[self._live[bad.tensor]].name
-            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
         return self.write(encoded, round=round, sender=sender)
 
     def compress_residual(self, *, round: int, sender: int) -> bytes:
@@ -222,14 +220,11 @@ class Compressor:
         self._ensure_state(self.device or torch.device("cpu"))
         encoder = self._encoder(self._state_device())
         errors = self.error_live()
-        try:
+        with self._named_not_finite():
             if hasattr(encoder, "encode_pass"):
                 encoded = encoder.encode_pass(errors)
             else:  # an in-place encoder: e = 1*e + 0
                 encoded = encoder.encode(errors, [torch.zeros_like(e) for e in errors], 1.0)
-        except NotFinite as bad:
-            name = self.layout.specs[self._live[bad.tensor]].name
-            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
         for j, e in zip(self._live, encoded.errors, strict=True):
             self.error[j] = e
         return self.write(encoded, round=round, sender=sender)
@@ -247,17 +242,25 @@ class Compressor:
         errors = self.error_live()
         self._before = None
         before = [e.clone() for e in errors] if self.undoable and encoder.in_place else errors
-        try:
+        with self._named_not_finite(with_deltas=True):
             encoded = encoder.encode(errors, flat, self.beta)
-        except NotFinite as bad:
-            name = self.layout.specs[live[bad.tensor]].name
-            if bad.in_delta:
-                raise ValueError(f"pseudo-gradient {name!r} contains NaN or Inf") from None
-            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
         for j, e in zip(live, encoded.errors, strict=True):
             self.error[j] = e
         self._before = before if self.undoable else None
         return encoded
+
+    @contextmanager
+    def _named_not_finite(self, with_deltas: bool = False) -> Iterator[None]:
+        """The encoder's NotFinite as a ValueError naming the tensor: a pseudo-gradient that
+        holds NaN or Inf (only where the encode was given deltas, ``with_deltas``), else error
+        feedback that overflowed to Inf."""
+        try:
+            yield
+        except NotFinite as bad:
+            name = self.layout.specs[self._live[bad.tensor]].name
+            if with_deltas and bad.in_delta:
+                raise ValueError(f"pseudo-gradient {name!r} contains NaN or Inf") from None
+            raise ValueError(f"error feedback for {name!r} overflowed to Inf") from None
 
     # -- settle ---------------------------------------------------------------------------
 

@@ -159,12 +159,15 @@ class SparseLoCoOuter(OuterOptimizer):
         self.ef_bound: float | None = None  # None: measure it when next needed
 
     def step(self, round: int, chosen: list[tuple[Arrival, float]], decision: Decision) -> Update:
-        weights, mode = mean_weights(decision, self.aggregation)
-        frames = [
-            UpdateFrame(arr.worker, w, arr.data, arr.frame)
-            for (arr, _), w in zip(chosen, weights, strict=True)
-        ]
+        frames, mode = self._weighted(chosen, decision)
         return self.combine(round, frames, mode)
+
+    def _weighted(self, chosen: list[tuple[Arrival, float]], decision: Decision) -> tuple[list[UpdateFrame], str]:
+        """The chosen workers' frames with their weights in the update, and its apply mode
+        (``mean_weights``)."""
+        weights, mode = mean_weights(decision, self.aggregation)
+        frames = [UpdateFrame(arr.worker, w, arr.data, arr.frame) for (arr, _), w in zip(chosen, weights, strict=True)]
+        return frames, mode
 
     def combine(self, round: int, frames: list[UpdateFrame], mode: str) -> Update:
         """The update of ``frames`` weighted and aggregated by ``mode``, as broadcast. The
@@ -202,8 +205,7 @@ class SparseLoCoOuter(OuterOptimizer):
         pass. None otherwise (``discard`` undoes the step)."""
         if not self.in_place or not chosen:
             return None
-        weights, _ = mean_weights(decision, self.aggregation)
-        frames = [UpdateFrame(arr.worker, w, arr.data, arr.frame) for (arr, _), w in zip(chosen, weights, strict=True)]
+        frames, _ = self._weighted(chosen, decision)
         return abs(self.lr) * self.passes * self._bound_after(frames)
 
     def _bound_after(self, frames: list[UpdateFrame]) -> float:
