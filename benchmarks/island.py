@@ -4,7 +4,7 @@ real processes through ``run_local`` on the same shaped links, with the same tok
 round (the island's batch is 2 x each separate worker's, so both train 2 x batch x H
 sequences a round). Per arm: the WAN bytes of a round (every worker's upload and download),
 the round time and the final validation loss, over several seeds, paired by seed; for the
-fsdp island, the share of the model's elements, of the AdamW moments and of the error
+fsdp island, the share of the model's elements, of the AdamW moments, of θ and of the error
 feedback each rank held.
 Prints a table, then one JSON line (docs/benchmarks.md).
 
@@ -163,7 +163,8 @@ def table(result: dict[str, Any]) -> str:
     spread = "-" if fsdp["lower95"] is None else f"{fsdp['lower95']:+.2%} to {fsdp['upper95']:+.2%}"
     lines.append(f"fsdp / ddp island: round time {result['fsdp_round_s_ratio']:.3f}, loss {fsdp['mean']:+.2%} "
                  f"(95 % interval {spread}); each rank held {held.get('params')} of the model, "
-                 f"{held.get('adamw')} of the AdamW moments, {held.get('error_feedback')} of the error feedback")
+                 f"{held.get('adamw')} of the AdamW moments, {held.get('theta')} of θ, {held.get('error_feedback')} "
+                 "of the error feedback")
     return "\n".join(lines)
 
 

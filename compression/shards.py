@@ -22,10 +22,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .apply import _check, _dense_update, _f32
 from .compressor import Compressor
 from .format import KIND_SPARSE, index_offsets_section, write_frame
 from .frame import Frame
 from .layout import ChunkGrid, Layout, TensorSpec
+from .reference import _sparse_update
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,44 @@ def piece_layout(layout: Layout, pieces: Sequence[Piece]) -> Layout:
     """The layout a rank compresses: its pieces as tensors of their own."""
     return Layout(TensorSpec(f"{layout.specs[p.tensor].name}[{p.start}:{p.stop}]", p.shape, torch.float32)
                   for p in pieces)
+
+
+def apply_to_pieces(pieces_params: Sequence[torch.Tensor], pieces: Sequence[Piece], frames: Sequence[Frame],
+                    weights: Sequence[float], mode: str = "sum", alpha: float = 1.0) -> None:
+    """``apply_frames`` of frames of the whole layout to a rank's pieces of its params (fp32
+    CPU tensors shaped as ``pieces``): each element updated as apply_frames updates it in
+    the whole tensor (the reference's arithmetic, which every backend matches bit for bit):
+    a sparse update only where a frame kept the coordinate, a dense one everywhere."""
+    frames = list(frames)
+    if not frames:
+        return
+    layout = frames[0].layout
+    weights = _check(layout, frames, weights, mode)
+    if len(pieces_params) != len(pieces):
+        raise ValueError(f"{len(pieces_params)} params for {len(pieces)} pieces")
+    dense = any(f.kind == "dense" for f in frames)
+    decoded = None if dense else [(f.indices, f.values) for f in frames]
+    by_tensor: dict[int, list[int]] = {}
+    for i, piece in enumerate(pieces):
+        by_tensor.setdefault(piece.tensor, []).append(i)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for j, mine in by_tensor.items():
+            numel = layout.specs[j].numel
+            if numel == 0:
+                continue
+            if dense:
+                step = _dense_update(layout, frames, weights, j, mode, cpu) * _f32(alpha, cpu)
+                for i in mine:
+                    p, piece = pieces_params[i], pieces[i]
+                    p.copy_(p + step[piece.start:piece.stop].view(p.shape))
+                continue
+            idx, u = _sparse_update(decoded, weights, j, mode, cpu, numel)
+            step = u * _f32(alpha, cpu)
+            for i in mine:
+                p, piece = pieces_params[i], pieces[i]
+                inside = (idx >= piece.start) & (idx < piece.stop)
+                p.view(-1).index_add_(0, idx[inside] - piece.start, step[inside])  # each index once
 
 
 class ShardCompressor:

@@ -85,16 +85,26 @@ def param_digest(tensors: Sequence[Tensor]) -> str:
     """Hex sha256 over, for each tensor in order, a header (index, dtype, shape) and its raw
     bytes (moved to CPU, made contiguous). Any change of a bit, shape, dtype or order changes
     the digest; the device a tensor sits on does not."""
-    h = hashlib.sha256(f"geoloco-params/{len(tensors)}\n".encode())
+    hasher = ParamHasher(len(tensors))
     for i, t in enumerate(tensors):
-        _hash_tensor(h, i, t)
-    return h.hexdigest()
+        hasher.add(i, t)
+    return hasher.hexdigest()
 
 
-def _hash_tensor(h, i: int, t: Tensor) -> None:
-    t = t.detach()
-    h.update(f"{i}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode())
-    h.update(_raw_bytes(t))
+class ParamHasher:
+    """``param_digest`` of ``count`` tensors handed in one at a time, in order (an island
+    puts each tensor together from its ranks' pieces: geoloco.worker.island_state)."""
+
+    def __init__(self, count: int) -> None:
+        self._hash = hashlib.sha256(f"geoloco-params/{count}\n".encode())
+
+    def add(self, i: int, t: Tensor) -> None:
+        t = t.detach()
+        self._hash.update(f"{i}:{str(t.dtype).removeprefix('torch.')}:{tuple(t.shape)}\n".encode())
+        self._hash.update(_raw_bytes(t))
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
 
 
 class DigestAsApplied:
@@ -106,7 +116,7 @@ class DigestAsApplied:
 
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.tensors = list(tensors)
-        self._hash = hashlib.sha256(f"geoloco-params/{len(self.tensors)}\n".encode())
+        self._hash = ParamHasher(len(self.tensors))
         self._final, self._cancelled = 0, False
         self._changed = threading.Condition()
         self._error: BaseException | None = None
@@ -141,7 +151,7 @@ class DigestAsApplied:
                         return
                     upto = self._final
                 for i in range(done, upto):
-                    _hash_tensor(self._hash, i, self.tensors[i])
+                    self._hash.add(i, self.tensors[i])
                 done = upto
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             self._error = exc

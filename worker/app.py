@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from geoloco.compression import set_codec_threads
-from geoloco.compression.shards import ShardCompressor
+from geoloco.compression import FrameError, decode_frame, set_codec_threads
 from geoloco.config import TOKEN_ENV, ConfigError, RunConfig, TlsConfig, validate
 from geoloco.metrics_server import MetricsServer
 from geoloco.profiles import LinkProfile
+from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import replica_layout
 from geoloco.stopping import EXIT_INTERRUPTED, StopSignals
 from geoloco.tasks import build_task
@@ -28,8 +28,9 @@ from geoloco.tls import channel_security
 from geoloco.transport import ChannelSecurity, CoordinatorUnreachable, JoinRefused, parse_address
 from geoloco.worker import local_state
 from geoloco.worker.admission import Admission
-from geoloco.worker.encoder import island_shard, settle_shard
+from geoloco.worker.encoder import island_state, settle_shard
 from geoloco.worker.island import Island, IslandError, optimizer_tensors
+from geoloco.worker.island_state import IslandState
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.loop import Worker, restore_shards
 from geoloco.worker.prometheus import worker_registry
@@ -133,10 +134,13 @@ def _play(coordinator: str, token: str, device: str, connect_timeout_s: float,
 
 
 def follow(island: Island, precision: str) -> int:
-    """Ranks 1..N-1: train as rank 0 says until it says exit. Returns the exit code (0)."""
+    """Ranks 1..N-1: train as rank 0 says until it says exit. Returns the exit code (0).
+    Under fsdp this rank also holds its pieces of the island's outer state (``state``:
+    geoloco.worker.island_state) and takes part in each of rank 0's collectives on it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to act on
     trainer: InnerTrainer | None = None
-    shard: ShardCompressor | None = None  # SparseLoCo under fsdp: this rank's share of the error feedback
+    state: IslandState | None = None
+    layout = None
     while True:
         kind, *args = island.receive()
         if kind == "exit":
@@ -146,49 +150,79 @@ def follow(island: Island, precision: str) -> int:
             cfg = validate(RunConfig.from_dict(json.loads(args[0])))
             task = build_task(cfg.task, cfg.workers, seed=cfg.seed)
             trainer = InnerTrainer(task, cfg.inner, cfg.rounds, island.device, precision, island=island)
-            if island.sharded and cfg.compression.method == "sparseloco":
-                shard = island_shard(island, replica_layout(trainer.model), cfg.compression,
-                                     undoable=cfg.coding.scheme != "none")
+            layout = replica_layout(trainer.model)
+            if island.sharded:
+                state = trainer.island_state = island_state(island, layout, cfg.compression,
+                                                            undoable=cfg.coding.scheme != "none")
         elif trainer is None:
             raise IslandError(f"rank {island.rank}: command {kind!r} before the run config")
         elif kind == "train":
+            partition, round_, running = args
             try:
-                trainer.train_partition(None, *args)
+                trainer.train_partition(None, partition, round_, running=running)
             except (TrainingStopped, FloatingPointError) as exc:  # rank 0 fails or stops the same way
                 log.info("rank %d: %s", island.rank, exc)
-        elif kind == "compress" and shard is not None:  # SparseLoCo under fsdp: this rank's pieces
-            shard.set_density(args[0])
-            island.compress_shards(shard, None)
-        elif kind == "settle" and shard is not None:
-            settle_shard(shard, args[0])
         elif kind == "optimizer":
             trainer.optimizer.load_state_dict(args[0])
-        elif kind == "save":  # fsdp: this rank's AdamW shard, before rank 0 writes its state
-            path, round_, layout_digest = args
-            try:
-                local_state.save_shard(Path(path), island.rank, trainer, round_, layout_digest, shard)
-                written = True
-            except OSError as exc:
-                log.error("rank %d: AdamW shard of round %d not written (%s)", island.rank, round_,
-                          exc.strerror or exc)
-                written = False
-            island.agree(written)
-        elif kind == "restore":
-            path, round_, layout_digest = args
-            try:
-                local_state.load_shard(Path(path), island.rank, trainer, round_, layout_digest, shard)
-                loaded = True
-            except LocalStateError as exc:
-                log.warning("rank %d: %s", island.rank, exc)
-                loaded = False
-            restore_shards(island, trainer, loaded, shard)
-        elif kind == "shards":
-            island.shard_sizes(trainer.params)
-            island.shard_sizes(optimizer_tensors(trainer.optimizer))
-            if shard is not None:
-                island.counts(shard.held)
-        else:
+        elif state is None:
+            raise IslandError(f"rank {island.rank}: command {kind!r} outside an fsdp island")
+        elif not follow_state(island, trainer, state, layout, kind, args):
             raise IslandError(f"rank {island.rank}: unknown command {kind!r}")
+
+
+def follow_state(island: Island, trainer: InnerTrainer, state: IslandState, layout, kind: str,
+                 args: list) -> bool:
+    """One of rank 0's commands on an fsdp island's outer state; False for an unknown one."""
+    if kind == "message":  # the task's message of this rank's pieces; a dense one whole on rank 0
+        task_bytes, whole = args
+        state.make_message(pb.WorkerTask.FromString(task_bytes))
+        if whole:
+            state.whole_message()
+    elif kind == "compress":  # SparseLoCo: this rank's pieces into its share of the error feedback
+        state.shard.set_density(args[0])
+        state.compress()
+    elif kind == "settle":
+        settle_shard(state.shard, args[0])
+    elif kind == "running":
+        state.make_running(*args)
+    elif kind == "apply":  # the frames rank 0 checked, applied to this rank's pieces of θ
+        data, weights, mode, alpha = args
+        try:
+            frames = [decode_frame(d, layout) for d in data]
+        except FrameError as exc:
+            raise IslandError(f"rank {island.rank}: a frame rank 0 applied does not decode here: {exc}") from None
+        state.apply(frames, weights, mode, alpha)
+    elif kind == "load":
+        state.load(None)
+    elif kind == "digest":
+        state.digest()
+    elif kind == "save":  # this rank's shards, before rank 0 writes its state
+        path, round_, layout_digest = args
+        try:
+            local_state.save_shard(Path(path), island.rank, trainer, round_, layout_digest, state)
+            written = True
+        except OSError as exc:
+            log.error("rank %d: shards of round %d not written (%s)", island.rank, round_, exc.strerror or exc)
+            written = False
+        island.agree(written)
+    elif kind == "restore":
+        path, round_, layout_digest = args
+        try:
+            local_state.load_shard(Path(path), island.rank, trainer, round_, layout_digest, state)
+            loaded = True
+        except LocalStateError as exc:
+            log.warning("rank %d: %s", island.rank, exc)
+            loaded = False
+        restore_shards(island, trainer, loaded, state)
+    elif kind == "shards":
+        island.shard_sizes(trainer.params)
+        island.shard_sizes(optimizer_tensors(trainer.optimizer))
+        island.counts(state.held)
+        if state.shard is not None:
+            island.counts(state.shard.held)
+    else:
+        return False
+    return True
 
 
 class WorkerThread:

@@ -17,10 +17,11 @@ from geoloco.config import CompressionConfig
 from geoloco.protos import geoloco_pb2 as pb
 from geoloco.replica import START_DENSITY, apply_round, sparse_compressor
 from geoloco.worker.island import Island
+from geoloco.worker.island_state import IslandState
 
 log = logging.getLogger(__name__)
 
-__all__ = ["START_DENSITY", "FrameEncoder", "IslandFrameEncoder", "island_shard", "same_values", "settle_shard"]
+__all__ = ["START_DENSITY", "FrameEncoder", "IslandFrameEncoder", "island_state", "same_values", "settle_shard"]
 WARMUP_SIDE = 256  # the stand-in model of the codec warm-up: one 256 x 256 matrix, one vector
 RESTORE = "restore"  # a settlement that undoes the last compression
 
@@ -106,40 +107,46 @@ class FrameEncoder:
 
 class IslandFrameEncoder(FrameEncoder):
     """Rank 0 of an fsdp island (geoloco.worker.island) under SparseLoCo: every rank keeps the
-    error feedback of its own pieces of the layout (compression.shards) and compresses them;
-    rank 0 joins the ranks' parts into the island's one frame, byte for byte the frame one
-    process would send. ``compressor`` is rank 0's share (its local state saves it); the
-    other ranks hold theirs (geoloco.worker.app.follow)."""
+    error feedback of its own pieces of the layout (compression.shards) and compresses its
+    pieces of the message (geoloco.worker.island_state); rank 0 joins the ranks' parts into
+    the island's one frame, byte for byte the frame one process would send. ``encode``
+    takes rank 0's pieces of the message (IslandState.make_message). The compressor is rank
+    0's share (its local state saves it); the other ranks hold theirs
+    (geoloco.worker.app.follow)."""
 
-    def __init__(self, island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
-                 density: float | None = None) -> None:
-        super().__init__(layout, compression, undoable, density)
-        self.island = island
-        self.shard = island_shard(island, layout, compression, like=self.compressor)  # no buffers made yet
+    def __init__(self, state: IslandState, layout: Layout, compression: CompressionConfig) -> None:
+        if state.shard is None:
+            raise ValueError("an island's frame encoder needs the ranks' shares of the error feedback")
+        self.layout = layout
+        self.compression = compression
+        self.state = state
+        self.shard = state.shard
         self.compressor = self.shard.compressor
 
     def encode(self, message: list[Tensor], round_: int, sender: int) -> bytes:
-        self.island.send("compress", self.compressor.density)
-        parts = self.island.compress_shards(self.shard, message)
-        return self.shard.join_frame(parts, round=round_, sender=sender)
+        self.state.island.send("compress", self.compressor.density)
+        return self.shard.join_frame(self.state.compress(), round=round_, sender=sender)
 
     def settle(self, settlement: pb.Settlement, own: bytes, applied: list[Frame]) -> None:
         todo = self._settlement(settlement, own, applied)
         if not todo:
             return
         sent = todo if todo == RESTORE else [(f.indices, f.values, w) for f, w in todo]
-        self.island.send("settle", sent)
+        self.state.island.send("settle", sent)
         settle_shard(self.shard, sent)
 
 
-def island_shard(island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
-                 density: float | None = None, like: Compressor | None = None) -> ShardCompressor:
-    """This rank's share of its island's compressor (compression.shards.split_layout over the
-    island's ranks, with the run's codec parameters, or ``like``'s): every rank makes the
+def island_state(island: Island, layout: Layout, compression: CompressionConfig, undoable: bool = False,
+                 density: float | None = None) -> IslandState:
+    """This rank's pieces of an fsdp island's outer state (geoloco.worker.island_state):
+    compression.shards.split_layout over the island's ranks with the run's codec
+    parameters, and under SparseLoCo its share of the error feedback. Every rank makes the
     same split."""
-    like = like if like is not None else _compressor(layout, compression, undoable, density)
-    pieces = split_layout(layout, island.size, like.tile, per_chunk=like.table == "chunk")
-    return ShardCompressor(layout, pieces[island.rank], like)
+    if compression.method != "sparseloco":
+        return IslandState(island, layout, split_layout(layout, island.size, compression.tile))
+    like = _compressor(layout, compression, undoable, density)  # no buffers made yet
+    split = split_layout(layout, island.size, like.tile, per_chunk=like.table == "chunk")
+    return IslandState(island, layout, split, ShardCompressor(layout, split[island.rank], like))
 
 
 def settle_shard(shard: ShardCompressor, todo: str | list) -> None:

@@ -3,10 +3,10 @@ processes that train its inner phase together over torch.distributed (Gloo on CP
 GPUs), inside the island only (docs/deploy.md, "A region's GPUs as one worker").
 
 Rank 0 is the worker the coordinator sees: it joins, fetches the state, pushes, follows the
-rounds, holds θ (and under ``ddp`` the error feedback and the encoder). The other ranks never open a connection
-to the coordinator; they follow rank 0's commands (geoloco.worker.app.follow): build the task from the run
-config rank 0 received, train a partition from the parameters rank 0 broadcasts, take the
-inner AdamW state rank 0 restored, exit. Every rank takes its share of each batch
+rounds (and under ``ddp`` holds θ, the error feedback and the encoder). The other ranks never
+open a connection to the coordinator; they follow rank 0's commands
+(geoloco.worker.app.follow): build the task from the run config rank 0 received, train a
+partition, take the inner AdamW state rank 0 restored, exit. Every rank takes its share of each batch
 (``task.batch_size`` is the island's batch) and the gradients are averaged before every
 AdamW step, so an island's pseudo-gradient is the one a single process would compute from
 the same tokens, within float rounding:
@@ -14,14 +14,12 @@ the same tokens, within float rounding:
   the AdamW state, identical on every rank;
 - ``"fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``, each block of the model's
   outermost ``nn.ModuleList`` and the root) shards the parameters, their gradients and the
-  AdamW state over the ranks, dim 0 in ``torch.chunk``'s pieces. θ goes out from rank 0 one
-  tensor at a time (``scatter``), and the inner phase's end comes back the same way
-  (``gather``), so no rank holds more of the model on its device than its shard and the one
-  tensor in transit. Each rank saves and restores its own shard of the AdamW state
-  (``optimizer_shard``; ``geoloco.worker.local_state``). Under SparseLoCo each rank also
-  keeps its share of the error feedback and compresses its pieces of the pseudo-gradient
-  (``compress_shards``; compression.shards), which rank 0 joins into the island's frame. θ
-  stays whole on rank 0, in its host memory: docs/deploy.md, "A region's GPUs as one worker".
+  AdamW state over the ranks, dim 0 in ``torch.chunk``'s pieces, and the outer state too:
+  each rank holds θ, the pseudo-gradients, the running copy and (SparseLoCo) the error
+  feedback for its own pieces of the layout, applies each round result to them and
+  compresses them (geoloco.worker.island_state); what crosses the island is one tensor at
+  a time. Each rank saves and restores its own shards (``optimizer_shard``;
+  geoloco.worker.local_state). docs/deploy.md, "A region's GPUs as one worker".
 
 Two ways in:
 - ``geoloco worker --nproc-per-node N`` runs ``launch``: it starts the N ranks on this host,
@@ -50,7 +48,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from geoloco.compression.shards import Parts, ShardCompressor
 from geoloco.config import PARALLEL_MODES
 from geoloco.stopping import EXIT_INTERRUPTED
 from geoloco.tasks import Batch
@@ -172,71 +169,6 @@ class Island:
                 for t in tensors:
                     t.copy_(flat[offset:offset + t.numel()].view(t.shape))
                     offset += t.numel()
-
-    def scatter(self, params: list[Tensor], theta: list[Tensor] | None) -> None:
-        """``fsdp``: rank 0's ``theta`` (whole tensors; None on the others) into every rank's
-        ``params``, each rank keeping its own rows of a sharded one; one tensor at a time."""
-        with torch.no_grad():
-            for j, p in enumerate(params):
-                if not isinstance(p, DTensor):
-                    if self.leader:
-                        p.copy_(theta[j])
-                    dist.broadcast(p, src=0)
-                    continue
-                whole = (theta[j].to(self.device, torch.float32) if self.leader
-                         else torch.empty(p.shape, dtype=torch.float32, device=self.device))
-                dist.broadcast(whole, src=0)
-                local = p.to_local()
-                rows = own_rows(whole, self.rank, self.size)
-                if tuple(rows.shape) != tuple(local.shape):
-                    raise IslandError(f"rank {self.rank}: a shard of {tuple(local.shape)} where torch.chunk gives "
-                                      f"{tuple(rows.shape)} of {tuple(p.shape)}; FSDP sharded it another way")
-                local.copy_(rows)
-
-    def gather(self, params: list[Tensor]) -> list[Tensor] | None:
-        """``fsdp``: every rank's shards of ``params`` put together on rank 0 as whole fp32
-        CPU tensors, one tensor at a time (None on the others; every rank must call it)."""
-        whole: list[Tensor] = []
-        with torch.no_grad():
-            for p in params:
-                t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                if self.leader:
-                    whole.append(t.to("cpu", torch.float32))
-        return whole if self.leader else None
-
-    def compress_shards(self, shard: ShardCompressor, message: list[Tensor] | None) -> list[Parts] | None:
-        """Every rank, SparseLoCo under ``fsdp``: rank 0's ``message`` (whole tensors; None on
-        the others) goes out one tensor at a time, each rank keeps its pieces of it and
-        compresses them into its share of the error feedback (compression.shards); rank 0
-        gets every rank's parts, in rank order (None elsewhere). ValueError on rank 0, naming
-        the rank, where one found NaN or Inf."""
-        mine: dict[int, list[int]] = {}
-        for i, piece in enumerate(shard.pieces):
-            mine.setdefault(piece.tensor, []).append(i)
-        slices: list[Tensor | None] = [None] * len(shard.pieces)
-        device = self.device or torch.device("cpu")
-        with torch.no_grad():
-            for j, spec in enumerate(shard.layout.specs):
-                if spec.numel == 0:
-                    continue
-                whole = (message[j].detach().to(device, torch.float32).contiguous() if self.leader
-                         else torch.empty(spec.shape, dtype=torch.float32, device=device))
-                dist.broadcast(whole, src=0)
-                for i in mine.get(j, []):
-                    p = shard.pieces[i]
-                    slices[i] = whole.reshape(-1)[p.start:p.stop].clone().view(p.shape)
-        try:
-            result: Parts | str = shard.compress_pieces(slices)
-        except ValueError as exc:
-            result = f"rank {self.rank}: {exc}"
-        gathered: list[Any] | None = [None] * self.size if self.leader else None
-        dist.gather_object(result, gathered, dst=0)
-        if gathered is None:
-            return None
-        failed = [g for g in gathered if isinstance(g, str)]
-        if failed:
-            raise ValueError(failed[0])
-        return gathered
 
     def counts(self, n: int) -> list[int]:
         """Every rank's ``n``, on rank 0 ([] elsewhere)."""

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from geoloco.compression import Compressor
-from geoloco.compression.shards import ShardCompressor
 from geoloco.run_dir import open_atomic
 from geoloco.worker.island import cpu_state
 
@@ -130,36 +129,42 @@ def _timed_write(path: Path, state: dict) -> float:
     return time.monotonic() - start
 
 
-def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str,
-               shard: ShardCompressor | None = None) -> None:
+def save_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str, state: Any) -> None:
     """A non-zero rank of an fsdp island: its shard of the AdamW state at the start of
-    ``round_``, and of the error feedback (``shard``, under SparseLoCo), beside rank 0's
-    file ``main`` (``rank_path``); its shards of older rounds but the last SHARDS_KEPT go."""
+    ``round_``, its pieces of the partitions' latest Δ and of the error feedback (``state``,
+    geoloco.worker.island_state.IslandState; the error feedback under SparseLoCo), beside
+    rank 0's file ``main`` (``rank_path``); its shards of older rounds but the last
+    SHARDS_KEPT go."""
     path = rank_path(main, rank, round_)
+    shard = state.shard
     write_snapshot(path, {"format_version": FORMAT_VERSION, "round": round_, "layout_digest": layout_digest,
                   "optimizer_shard": trainer.optimizer_shard(), "optimizer": trainer.optimizer_state(),
-                  "error_feedback": shard.state_dict() if shard is not None else None})
+                  "error_feedback": shard.state_dict() if shard is not None else None,
+                  "island_state": state.state_dict()})
     pattern = rank_path(main, rank, 0).name.replace(".round-0.", ".round-*.")
     saved = sorted(path.parent.glob(pattern), key=lambda p: int(p.name.rsplit(".round-", 1)[1].split(".")[0]))
     for old in saved[:-SHARDS_KEPT]:
         old.unlink(missing_ok=True)
 
 
-def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str,
-               shard: ShardCompressor | None = None) -> None:
+def load_shard(main: Path, rank: int, trainer: Any, round_: int, layout_digest: str, state: Any) -> None:
     """``save_shard``'s inverse, for rank 0's state of ``round_``: LocalStateError if the
     file is missing, unreadable, of another model or sharding (the caller then starts both
     from zero on every rank: geoloco.worker.loop.restore_shards)."""
     path = rank_path(main, rank, round_)
     if not path.exists():
         raise LocalStateError(f"{path} does not exist")
-    state = _read(path)
-    if state["round"] != round_ or state["layout_digest"] != layout_digest:
-        raise LocalStateError(f"{path} is of round {state['round']}, rank 0's of round {round_} "
+    saved = _read(path)
+    if saved["round"] != round_ or saved["layout_digest"] != layout_digest:
+        raise LocalStateError(f"{path} is of round {saved['round']}, rank 0's of round {round_} "
                               "(or of another model layout)")
-    _load_optimizer(path, state, trainer)
-    if shard is not None:
-        _load_error_feedback(path, state.get("error_feedback"), shard.compressor)
+    _load_optimizer(path, saved, trainer)
+    if state.shard is not None:
+        _load_error_feedback(path, saved.get("error_feedback"), state.shard.compressor)
+    try:
+        state.load_state_dict(saved["island_state"])
+    except (ValueError, KeyError) as exc:
+        raise LocalStateError(f"{path}: its pieces of the pseudo-gradients do not fit this rank's ({exc})") from None
 
 
 def _load_error_feedback(path: Path, saved: dict | None, compressor: Compressor) -> None:

@@ -32,9 +32,10 @@ from geoloco.transport import CoordinatorUnreachable, JoinRefused
 from geoloco.worker import local_state, overlap
 from geoloco.worker.admission import Admission, ConfigRefused
 from geoloco.worker.density import DensityChooser
-from geoloco.worker.encoder import FrameEncoder, IslandFrameEncoder
+from geoloco.worker.encoder import FrameEncoder, IslandFrameEncoder, island_state
 from geoloco.worker.identity import IdentityStore
 from geoloco.worker.island import LAUNCHER_PID_ENV, Island, cpu_state, optimizer_tensors
+from geoloco.worker.island_state import IslandState
 from geoloco.worker.local_state import LocalStateError
 from geoloco.worker.partitions import LatestDeltas
 from geoloco.worker.session import Push, Session, State
@@ -89,11 +90,24 @@ class Training:
     straggler: StragglerModel
     density: DensityChooser
     deltas: LatestDeltas = field(default_factory=LatestDeltas)
+    state: IslandState | None = None  # an fsdp island's outer state in pieces: rank 0's (then its deltas)
 
     @property
     def shard(self) -> ShardCompressor | None:
         """Rank 0's share of an fsdp island's error feedback (None: the encoder holds it whole)."""
-        return self.encoder.shard if isinstance(self.encoder, IslandFrameEncoder) else None
+        return self.state.shard if self.state is not None else None
+
+    def message(self, task: pb.WorkerTask) -> list[Tensor]:
+        """The task's coded message (LatestDeltas.message). In an fsdp island every rank makes
+        its pieces of it; under SparseLoCo they stay there for the encoder, and rank 0 gets
+        its own; a dense frame gets the message whole on rank 0."""
+        state = self.state
+        if state is None:
+            return self.deltas.message(task)
+        whole = state.shard is None
+        state.island.send("message", task.SerializeToString(), whole)
+        mine = state.make_message(task)
+        return state.whole_message() if whole else mine
 
     @classmethod
     def from_join(cls, reply: pb.JoinReply, device: torch.device, precision: str = "fp32",
@@ -128,13 +142,16 @@ class Training:
                               f"{layout.digest.hex()}; run the same geoloco version on both sides")
         straggler = make_straggler(reply.straggler_profile or "none", reply.worker_id, cfg.seed)
         density = DensityChooser.from_config(cfg.compression)
-        sharded = island is not None and island.sharded and cfg.compression.method == "sparseloco"
-        encoder = (IslandFrameEncoder(island, layout, cfg.compression, undoable=cfg.coding.scheme != "none",
-                                      density=density.density) if sharded else
-                   FrameEncoder(layout, cfg.compression, undoable=cfg.coding.scheme != "none",
-                                density=density.density))
+        undoable = cfg.coding.scheme != "none"
+        state = (island_state(island, layout, cfg.compression, undoable, density.density)
+                 if island is not None and island.sharded else None)
+        encoder = (IslandFrameEncoder(state, layout, cfg.compression) if state is not None and state.shard is not None
+                   else FrameEncoder(layout, cfg.compression, undoable=undoable, density=density.density))
         encoder.warm_up()
-        return cls(cfg, trainer, layout, encoder, straggler, density)
+        if state is None:
+            return cls(cfg, trainer, layout, encoder, straggler, density)
+        trainer.island_state = state
+        return cls(cfg, trainer, layout, encoder, straggler, density, state.deltas, state)
 
 
 @dataclass
@@ -291,7 +308,8 @@ class Worker:
         partitions = training.deltas.to_train(task)
         for p in partitions:
             delta, loss = training.trainer.train_partition(theta, p, round_, self.stopping, fold)
-            training.deltas.keep(p, delta)
+            if delta is not None:  # else each rank of an fsdp island kept its pieces
+                training.deltas.keep(p, delta)
             losses.append(loss)
         mean_loss = sum(losses) / len(losses) if losses else math.nan
         return Trained(partitions, time.monotonic() - start - self.fold_wait_s, mean_loss, round_)
@@ -312,9 +330,15 @@ class Worker:
         cfg = self.training.cfg
         self.inflight = self.outbox
         self.pushing = self._pusher.submit(self.push, self.outbox)
-        own = [self.training.deltas.latest[p] for p in trained.partitions]
-        self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, overlap.standin_scale(cfg, len(own)),
-                                            copy=cfg.outer.fold_step is not None)
+        scale, copy = overlap.standin_scale(cfg, len(trained.partitions)), cfg.outer.fold_step is not None
+        state = self.training.state
+        if state is not None:  # every rank makes its pieces of it
+            self.island.send("running", cfg.outer.overlap, trained.partitions, scale, copy)
+            state.make_running(cfg.outer.overlap, trained.partitions, scale, copy)
+            self.running = state.running
+        else:
+            own = [self.training.deltas.latest[p] for p in trained.partitions]
+            self.running = overlap.running_copy(cfg.outer.overlap, self.theta, own, scale, copy=copy)
         log.info("round %d: frame on its way; round %d trains from the running copy (%s)",
                  self.round, self.round + 1, cfg.outer.overlap)
 
@@ -426,7 +450,7 @@ class Worker:
     def encode(self, trained: Trained) -> Push:
         """The coded message of the task's partitions, encoded as this round's frame."""
         training = self.training
-        message = training.deltas.message(self.task)
+        message = training.message(self.task)
         self.density = training.encoder.set_density(training.density.choose(trained.compute_s))
         start = time.monotonic()
         frame = training.encoder.encode(message, self.round, self.session.worker_id)
@@ -461,7 +485,7 @@ class Worker:
             return self.resync(header)
         self.task = None  # θ is between rounds until every frame is in
         try:
-            self.apply_s = result.apply_to(self.theta)
+            self.apply_s = result.apply_to(self.theta) if self.training.state is None else self.apply_in_island(result)
         except FrameError as exc:
             log.error("round %d: bad frame in the round result (%s)", header.round, exc)
             return self.resync(header)
@@ -474,11 +498,33 @@ class Worker:
         self.round, self.task, self.outbox = header.round + 1, header.next_task, None
         self.next_task = header.task_after_next if header.HasField("task_after_next") else None
         self.catching_up = False
-        self.check = DigestCheck(header, self.theta, result.digest)
+        if self.training.state is None:
+            self.check = DigestCheck(header, self.theta, result.digest)
+        else:  # the island's ranks put θ together for it now
+            self.check = DigestCheck(header, None, result.digest, mine=self.theta_digest())
         self.save_local_state()
         if header.finished:
             self.confirm()
         return header.finished
+
+    def apply_in_island(self, result: RoundResult) -> float:
+        """apply's apply in an fsdp island: once every frame is in and checked here, each rank
+        decodes them and applies them to its pieces of θ (IslandState.apply). Returns the
+        seconds from the last frame byte (or from now, if later) to θ updated."""
+        header, start = result.header, time.monotonic()
+        frames = result.all_frames()
+        weights, mode = [f.weight for f in header.frames], header.aggregation or "sum"
+        self.island.send("apply", result.data, weights, mode, header.alpha)
+        self.training.state.apply(frames, weights, mode, header.alpha)
+        return time.monotonic() - max(start, result.last_byte_at.result())
+
+    def theta_digest(self) -> str:
+        """param_digest(θ); in an fsdp island the ranks put θ together one tensor at a time."""
+        state = self.training.state if self.training is not None else None
+        if state is None:
+            return param_digest(self.theta)
+        self.island.send("digest")
+        return state.digest()
 
     # ------------------------------------------------------------------ state and connection
 
@@ -506,14 +552,20 @@ class Worker:
         """θ ← the coordinator's parameters, checked against their digest; take the task of
         its open round."""
         self.release_check()
-        if self.trained is not None and (state.round != self.round or state.digest != param_digest(self.theta)):
+        if self.trained is not None and (state.round != self.round or state.digest != self.theta_digest()):
             self.trained = None  # trained from another θ
         self.drop_overlap()
         self.catching_up = self.catching_up or self.round >= 0  # not the first fetch: catch up
         dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
-        for t, v in zip(self.theta, dense, strict=True):
-            t.copy_(v.reshape(t.shape))
-        digest = param_digest(self.theta)
+        if self.training.state is not None:  # each rank of the island keeps its pieces
+            self.island.send("load")
+            self.training.state.load(dense)
+            digest = param_digest(dense)
+        else:
+            for t, v in zip(self.theta, dense, strict=True):
+                t.copy_(v.reshape(t.shape))
+            digest = param_digest(self.theta)
+        del dense
         if digest != state.digest:
             raise RuntimeError(f"state for round {state.round} has digest {digest}, coordinator says {state.digest}")
         self.round, self.task, self.outbox, self.apply_s = state.round, state.task, None, 0.0
@@ -540,8 +592,9 @@ class Worker:
                                                self.admission, self.island)
             if self.island is not None:  # the other ranks build the same trainer
                 self.island.send("config", reply.run_config_json)
-            # θ on huge pages: applying sparse rounds touches cache lines at random
-            self.theta = on_huge_pages(self.training.trainer.master_copy())
+            if self.training.state is None:  # (an fsdp island's is in pieces, on every rank)
+                # θ on huge pages: applying sparse rounds touches cache lines at random
+                self.theta = on_huge_pages(self.training.trainer.master_copy())
             self.restore_local_state()
         if not self.release_check():
             self.task = None  # θ was never confirmed: fetch the state
@@ -607,7 +660,7 @@ class Worker:
         island, trainer = self.island, self.training.trainer
         if island is not None and island.sharded:  # each rank restores its own shard, or none does
             island.send("restore", str(path), saved_at, self.training.layout.digest.hex())
-            adamw = restore_shards(island, trainer, adamw, self.training.shard)
+            adamw = restore_shards(island, trainer, adamw, self.training.state)
         elif island is not None and adamw:  # every rank steps AdamW from the same state
             island.send("optimizer", cpu_state(trainer.optimizer.state_dict()))
         log.info("restored the local state of round %d from %s (error feedback, %sdata positions)",
@@ -688,9 +741,11 @@ class Worker:
             trainer = self.training.trainer
             self.held = {"params": island.shard_sizes(trainer.params),
                          "adamw": island.shard_sizes(optimizer_tensors(trainer.optimizer))}
-            if self.training.shard is not None:
-                self.held["error_feedback"] = island.counts(self.training.shard.held)
-        digest = param_digest(self.theta)
+            state = self.training.state
+            self.held["theta"] = island.counts(state.held)
+            if state.shard is not None:
+                self.held["error_feedback"] = island.counts(state.shard.held)
+        digest = self.theta_digest()
         log.info("run finished after round %d: final digest %s, %d resyncs, %d reconnects",
                  self.round - 1, digest, self.counters.resyncs, self.counters.reconnects)
         self.write_report("finished", digest=digest)
@@ -727,18 +782,18 @@ class Worker:
         write_atomic(path, json.dumps(report, indent=2), durable=False)
 
 
-def restore_shards(island: Island, trainer: InnerTrainer, loaded: bool,
-                   shard: ShardCompressor | None = None) -> bool:
-    """Every rank of an fsdp island after ``restore``: whether each restored its shard of
-    the AdamW state and of the error feedback (``shard``, under SparseLoCo) (``loaded``:
-    this rank's outcome); where one did not, every rank starts both from zero, so that no
-    shard steps from a state the others lack."""
+def restore_shards(island: Island, trainer: InnerTrainer, loaded: bool, state: IslandState) -> bool:
+    """Every rank of an fsdp island after ``restore``: whether each restored its shards of
+    the AdamW state, of the partitions' latest Δ and (SparseLoCo) of the error feedback
+    (``loaded``: this rank's outcome); where one did not, every rank starts them all from
+    zero, so that no shard steps from a state the others lack."""
     if island.agree(loaded):
         return True
     trainer.optimizer.state.clear()
-    if shard is not None:
-        shard.reset()
+    state.reset()
+    if state.shard is not None:
+        state.shard.reset()
     if island.leader:
-        log.warning("a rank of the island has no AdamW or error-feedback shard of that round: the island's "
-                    "inner AdamW state and error feedback start from zero")
+        log.warning("a rank of the island has no shard of that round: the island's inner AdamW state, "
+                    "error feedback and partitions' latest pseudo-gradients start from zero")
     return False

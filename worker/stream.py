@@ -44,6 +44,7 @@ class RoundResult:
     last_byte_at: Future[float] = field(default_factory=Future)  # monotonic time the frames were in
     digest: Future[str] = field(default_factory=Future)  # Disconnected if it never comes
     applied: list[Frame] = field(default_factory=list)  # the frames apply_to has applied, in order
+    data: list[bytes] = field(default_factory=list)  # each frame's bytes, as they came (an island sends them on)
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +61,11 @@ class RoundResult:
         apply_round(theta, self._decoded_frames(), [f.weight for f in header.frames],
                     header.aggregation or "sum", header.alpha)
         return time.monotonic() - max(start, self.last_byte_at.result())
+
+    def all_frames(self) -> list[Frame]:
+        """Every frame of the round once each is in and checked (``applied``, then ``data``
+        holds them all). FrameError or Disconnected as apply_to."""
+        return list(self._decoded_frames())
 
     def _decoded_frames(self) -> Iterator[Frame]:
         for _ in self.header.frames:
@@ -158,6 +164,7 @@ class RoundsFollower:
                     raise ValueError(f"round {header.round}: {len(data)} frame bytes more than the header says")
                 result.last_byte_at.set_result(time.monotonic())  # before the last frame is handed over
             if not failed:
+                result.data.append(frame_bytes)
                 try:
                     # checked as its bytes arrive, keeping its positions: applying the round's
                     # frames together then decodes none again (the worker's critical path)
@@ -189,16 +196,19 @@ class DigestCheck:
     background thread, so the hash runs beside the next inner loop instead of before it.
     ``theta`` must not change until ``outcome()`` or ``release()`` has returned."""
 
-    def __init__(self, header: pb.RoundHeader, theta: list[Tensor], expected: Future[str]) -> None:
+    def __init__(self, header: pb.RoundHeader, theta: list[Tensor] | None, expected: Future[str],
+                 mine: str | None = None) -> None:
+        """``mine``: θ's digest, already taken (``theta`` None)."""
         self.header = header
         self.expected = expected
-        self.mine: str | None = None
+        self.mine: str | None = mine
         self._thread = threading.Thread(target=self._hash, args=(theta,),
                                         name=f"digest-check-{header.round}", daemon=True)
         self._thread.start()
 
-    def _hash(self, theta: list[Tensor]) -> None:
-        self.mine = param_digest(theta)
+    def _hash(self, theta: list[Tensor] | None) -> None:
+        if theta is not None:
+            self.mine = param_digest(theta)
 
     def outcome(self) -> bool:
         """True when the digests match, False on a mismatch; raises Disconnected when the

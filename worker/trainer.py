@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +26,9 @@ from geoloco.worker.island import (
     shard_model,
     sharded_optimizer_state,
 )
+
+if TYPE_CHECKING:
+    from geoloco.worker.island_state import IslandState
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +105,8 @@ class InnerTrainer:
         self.step_fn = step
         self.model: nn.Module = task.make_model().to(device)
         self.model.train()
-        self.made: list[Tensor] | None = None  # fsdp: the model as made, whole (rank 0)
+        self.island_state: IslandState | None = None  # fsdp: θ and the Δs in pieces (set by its maker)
         if island is not None and island.sharded:
-            if island.leader:
-                self.made = [t.detach().to("cpu", torch.float32, copy=True) for _, t in replica_tensors(self.model)]
             shard_model(self.model)
         self.params = [t for _, t in replica_tensors(self.model)]
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -118,13 +119,15 @@ class InnerTrainer:
         self.positions: dict[int, BatchIterator] = {}  # each partition's data position
 
     def train_partition(self, theta: list[Tensor] | None, partition: int, round_index: int,
-                        stop: threading.Event | None = None,
-                        fold: Fold | None = None) -> tuple[list[Tensor] | None, float]:
+                        stop: threading.Event | None = None, fold: Fold | None = None,
+                        running: bool = False) -> tuple[list[Tensor] | None, float]:
         """H AdamW steps from ``theta`` on ``partition``; returns (Δ on CPU fp32, mean loss).
         Batches and the learning rate follow the global step ``round × H + step``. Once
         ``stop`` is set, TrainingStopped at the next step (in an island: on every rank, after
         the step's gradient exchange). On an island's other ranks ``theta`` is None (it comes
-        from rank 0) and so is the returned Δ. ``fold`` = (when, new start): before step k,
+        from rank 0) and so is the returned Δ. Under fsdp (``island_state``) every rank starts
+        from its pieces of θ, or of the running copy (``running``; on rank 0: ``theta`` is
+        that copy), and keeps its pieces of Δ there; None is returned. ``fold`` = (when, new start): before step k,
         where ``when`` is k or, as a predicate, first true for k (asked before each step from
         1 on), the start moves to ``new start(k)`` and the steps taken so far move with it
         (the model gains new − old); Δ is then taken from the new start, which must not
@@ -133,10 +136,13 @@ class InnerTrainer:
         island = self.island
         if fold is not None and island is not None:
             raise ValueError("a mid-phase fold is not supported in an island")
+        state = self.island_state
+        if state is not None:
+            running = running or (state.running is not None and theta is state.running)
         if island is not None and island.leader:
-            island.send("train", partition, round_index)
-        if island is not None and island.sharded:
-            island.scatter(self.params, theta)
+            island.send("train", partition, round_index, running)
+        if state is not None:
+            state.start(self.params, running)
         else:
             if theta is not None:
                 self._load(theta)
@@ -153,10 +159,11 @@ class InnerTrainer:
                 raise TrainingStopped(f"stopped at inner step {step} of round {round_index}")
             global_step = round_index * self.inner.steps + step
             losses.append(self._step(next(batches), global_step, stopping))
-        ends = island.gather(self.params) if island is not None and island.sharded else self.params
-        if theta is None:
+        if state is not None:
+            state.keep(partition, self.params, running)
+        if theta is None or state is not None:
             return None, sum(losses) / len(losses)
-        return self._deltas(theta, ends), sum(losses) / len(losses)
+        return self._deltas(theta, self.params), sum(losses) / len(losses)
 
     def _move_start(self, old: list[Tensor], new: list[Tensor]) -> list[Tensor]:
         """The model plus (new − old), element by element in fp32: the steps taken from
@@ -245,11 +252,8 @@ class InnerTrainer:
             torch.nn.utils.clip_grad_norm_(self.trainable, self.inner.grad_clip)
 
     def master_copy(self) -> list[Tensor]:
-        """The model's tensors as a CPU fp32 copy, whole (under fsdp: as the model was made,
-        before it was sharded; rank 0 only)."""
-        if self.made is not None:
-            made, self.made = self.made, None
-            return made
+        """The model's tensors as a CPU fp32 copy, whole (not under fsdp: the island's θ is
+        in pieces)."""
         return [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
 
     def optimizer_state(self) -> dict:

@@ -64,11 +64,12 @@ def test_an_island_trains_the_pseudo_gradient_one_process_would(tmp_path: Path) 
 def test_a_sharded_island_trains_the_same_pseudo_gradient_holding_half_each(tmp_path: Path) -> None:
     """fsdp: the same Δ as one process within the same bound (FSDP's reduce-scatter sums the
     halves' gradients as ddp's all-reduce does), while each rank holds only its shard of the
-    parameters, of AdamW's moments and of the error feedback: together the whole model once
-    (twice for the moments), neither rank more than its torch.chunk share plus one row of
-    each tensor (the error feedback: 60 %); and the frames the ranks compress together from
-    that Δ, round after round through every settlement, are the ones a single compressor
-    makes, byte for byte."""
+    parameters, of AdamW's moments, of θ, of Δ and of the error feedback: together the whole
+    model once (twice for the moments), neither rank more than its torch.chunk share plus
+    one row of each tensor (θ and the error feedback: 60 %); the frames the ranks compress
+    together from that Δ, round after round through every settlement, are the ones a single
+    compressor makes, byte for byte; and a round result that each rank applies to its
+    pieces of θ leaves the θ one process gets, bit for bit (its digest)."""
     one, sharded = island_delta(tmp_path, 1), island_delta(tmp_path, 2, parallel="fsdp")
     assert relative_difference(one["delta"], sharded["delta"]) < DELTA_RTOL
     assert math.isclose(one["loss"], sharded["loss"], rel_tol=DELTA_RTOL)
@@ -77,8 +78,12 @@ def test_a_sharded_island_trains_the_same_pseudo_gradient_holding_half_each(tmp_
     assert all(0 < n < 0.6 * numel for n in held["params"]), (held, numel)
     assert all(0 < n < 1.2 * numel for n in held["adamw"]), (held, numel)
     assert sum(held["error_feedback"]) == numel and all(0 < n < 0.6 * numel for n in held["error_feedback"]), held
+    assert held["theta"] == held["error_feedback"], held  # θ and the Δs in the same pieces
     whole, island = sharded["frames"]  # four rounds, each settled another way (island_delta.settled_frames)
     assert len(set(whole)) == 4 and island == whole
+    # a round result applied by each rank to its pieces of θ: the whole θ one process gets, bit for bit
+    put_together, alone = sharded["digests"]
+    assert put_together == alone, sharded["digests"]
 
 
 def island_pids(launcher: int) -> dict[int, int]:
@@ -121,12 +126,16 @@ def connections_to(port: int) -> dict[int, int]:
     return owners
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("parallel", "overlap"), [("ddp", "none"), ("fsdp", "none"), ("fsdp", "eager")])
 def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processes, tmp_path: Path,
-                                                             parallel: str) -> None:
+                                                             parallel: str, overlap: str) -> None:
+    """Two islands of 2 ranks agree with the coordinator every round and only rank 0 of each
+    has a connection to it; under fsdp also with outer.overlap, where every rank makes its
+    pieces of the running copy that the next phase trains from."""
     run_dir, reports = tmp_path / "run", tmp_path / "reports"
     processes.start("coordinator", ["coordinator", "--listen", "127.0.0.1:0", "--workers", "2",
-                                    "--rounds", "6", "--run-dir", str(run_dir), *set_flags(SMALL)])
+                                    "--rounds", "6", "--run-dir", str(run_dir),
+                                    *set_flags({**SMALL, "outer.overlap": overlap})])
     port = coordinator_port(run_dir)
     for i in range(2):
         processes.start(f"island-{i}", ["worker", "--coordinator", f"127.0.0.1:{port}", "--device", "cpu",
@@ -142,6 +151,8 @@ def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processe
     for name in ranks:
         assert processes.wait(name, timeout=60) == 0, processes.log(name)[-3000:]
     leaders = {r[0] for r in ranks.values()}
+    if overlap != "none":
+        assert all("trains from the running copy" in processes.log(name) for name in ranks)
     assert talking and talking <= leaders, (talking, ranks)  # no rank 1 has a connection to it
     assert len(joins) == 2 and all(f"island of 2 ranks, {parallel}" in device for _, device in joins), joins
     validated = [m["val_loss"] for m in metrics(run_dir) if m.get("val_loss") is not None]
@@ -154,12 +165,12 @@ def test_two_islands_agree_every_round_and_only_rank_0_talks(processes: Processe
         assert report["status"] == "finished" and report["digest"] == digest, report
         assert report["digest_mismatches"] == 0 and report["resyncs"] == 0, report
         assert report["island"]["ranks"] == 2 and report["island"]["rank0_pid"] in leaders
-        if parallel == "fsdp":  # each rank held its half of the model, of AdamW's moments and of the error feedback
+        if parallel == "fsdp":  # each rank held its half of the model, of AdamW's moments, of θ and of the error feedback
             held = report["island"]["held"]
             assert len(held["params"]) == 2 and all(0 < n < 0.6 * sum(held["params"]) for n in held["params"])
             assert sum(held["adamw"]) == 2 * sum(held["params"]), held
-            ef = held["error_feedback"]
-            assert sum(ef) == sum(held["params"]) and all(0 < n < 0.6 * sum(ef) for n in ef), held
+            for outer in (held["theta"], held["error_feedback"]):
+                assert sum(outer) == sum(held["params"]) and all(0 < n < 0.6 * sum(outer) for n in outer), held
 
 
 ROUNDS = 12

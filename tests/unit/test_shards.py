@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geoloco.compression import Compressor, Layout, TensorSpec, decode_frame
-from geoloco.compression.shards import ShardCompressor, cut_points, split_layout
+from geoloco.compression import Compressor, Layout, TensorSpec, apply_frames, decode_frame
+from geoloco.compression.shards import ShardCompressor, apply_to_pieces, cut_points, split_layout
 
 TILE = 16
 
@@ -107,3 +107,38 @@ def test_density_follows_and_state_refuses_other_pieces() -> None:
     with pytest.raises(ValueError, match="another layout"):
         three[0].load_state_dict(two[0].state_dict())
     three[0].load_state_dict(three[0].state_dict())
+
+
+@pytest.mark.parametrize("backend", ["numba", "reference"])
+@pytest.mark.parametrize("mode", ["sum", "mean_kept", "dense"])
+@pytest.mark.parametrize("ranks", [2, 3, 5])
+def test_frames_applied_to_pieces_are_the_whole_apply_bit_for_bit(backend: str, mode: str, ranks: int) -> None:
+    """A rank's pieces of θ after apply_to_pieces are its pieces of the whole θ after
+    apply_frames, bit for bit: sparse frames of several workers (mean over keepers, or each
+    applied alone in order as a worker sums them), or dense ones; the untouched coordinates
+    keep their bits, a negative zero included."""
+    lay = layout()
+    comp = dict(density=24 / 256, tile=TILE, backend=backend)
+    if mode == "dense":
+        from geoloco.compression import encode_dense
+        data = [encode_dense(lay, deltas(lay, 10 + s), round=0, sender=s) for s in range(3)]
+    else:
+        data = [Compressor(lay, **comp).compress(deltas(lay, 10 + s), round=0, sender=s) for s in range(3)]
+    frames = [decode_frame(d, lay, backend=backend) for d in data]
+    weights, alpha = [0.5, 0.25, 0.3], -0.7
+    theta = deltas(lay, 99)
+    theta[0].view(-1)[:7] = -0.0
+    whole = [t.clone() for t in theta]
+    split = split_layout(lay, ranks, TILE)
+    pieces = [ShardCompressor(lay, share, Compressor(lay, **comp)).slices(theta) for share in split]
+    pieces = [[t.clone() for t in share] for share in pieces]
+    groups = [[(f, w)] for f, w in zip(frames, weights, strict=True)] if mode == "sum" else [list(zip(frames, weights, strict=True))]
+    for group in groups:
+        fs, ws = [f for f, _ in group], [w for _, w in group]
+        apply_frames(whole, fs, ws, mode="sum" if mode == "dense" else mode, alpha=alpha)
+        for share, mine in zip(split, pieces, strict=True):
+            apply_to_pieces(mine, share, fs, ws, "sum" if mode == "dense" else mode, alpha)
+    for share, mine in zip(split, pieces, strict=True):
+        for piece, got in zip(share, mine, strict=True):
+            want = whole[piece.tensor].reshape(-1)[piece.start:piece.stop]
+            assert torch.equal(got.reshape(-1).view(torch.int32), want.view(torch.int32)), piece
