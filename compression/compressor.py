@@ -98,9 +98,12 @@ class Compressor:
             dev = self.device or device
             self.error = [torch.zeros(s.numel, dtype=torch.float32, device=dev) for s in self.layout.specs]
 
-    def state_dict(self) -> dict:
-        return {"error_feedback": [e.clone() for e in self.error] if self.error is not None else None,
-                "beta": self.beta, "tile": self.tile, "k": self.k, "digest": self.layout.digest}
+    def state_dict(self, copy: bool = True) -> dict:
+        """The error feedback and codec parameters to save; ``copy=False``: the live buffers,
+        for a caller that writes them out before the next compress (a model's size less)."""
+        error = None if self.error is None else [e.clone() if copy else e for e in self.error]
+        return {"error_feedback": error, "beta": self.beta, "tile": self.tile, "k": self.k,
+                "digest": self.layout.digest}
 
     def load_state_dict(self, d: dict) -> None:
         if d.get("digest") not in (None, self.layout.digest):

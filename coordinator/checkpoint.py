@@ -5,7 +5,6 @@ optimizer's state, the next round, the worker registry and the run totals."""
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
@@ -24,6 +23,7 @@ from geoloco.run_dir import (
     DEFAULT_MODE,
     ROUNDLOG_DIR,
     fsync_path,
+    open_atomic,
     remove_stale_temps,
     write_atomic,
 )
@@ -131,9 +131,8 @@ def _write_folder(tmp: Path, ckpt: Checkpoint, after_weights: Callable[[], None]
         after_weights()
     for name, text in ckpt.files.items():
         write_atomic(tmp / name, text)
-    state = io.BytesIO()
-    torch.save(ckpt.to_dict(), state)
-    write_atomic(tmp / STATE_FILE, state.getbuffer())
+    with open_atomic(tmp / STATE_FILE) as f:  # streamed: no copy of the outer state in memory
+        torch.save(ckpt.to_dict(), f)
 
 
 def save_weights(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str]) -> None:

@@ -323,12 +323,14 @@ class RoundLoop:
         totals = asdict(self.state.totals)
         totals["wall_seconds"] = self.elapsed_seconds()
         names = [spec.name for spec in self.state.layout.specs]
-        params = dict(zip(names, self.state.params_copy(), strict=True))
-        ckpt = checkpoint.Checkpoint(next_round, params, self.outer.state_dict(), workers,
-                                     self.state.layout.digest, totals, fixed=self.fixed,
-                                     files=self.model_files, guard_norms=dict(self.bounds.recent))
-        path = checkpoint.save(self.run_dir, ckpt,
-                               after_weights=lambda: self.crash_point("checkpoint", next_round - 1))
+        # the parameters and the outer state themselves, not copies (a model's size each):
+        # the outer state changes on this thread alone, and the apply waits for the write
+        with self.state.params_between_rounds() as live:
+            ckpt = checkpoint.Checkpoint(next_round, dict(zip(names, live, strict=True)), self.outer.state_dict(),
+                                         workers, self.state.layout.digest, totals, fixed=self.fixed,
+                                         files=self.model_files, guard_norms=dict(self.bounds.recent))
+            path = checkpoint.save(self.run_dir, ckpt,
+                                   after_weights=lambda: self.crash_point("checkpoint", next_round - 1))
         roundlog.prune(self.run_dir, next_round)
         self.unlogged_from = None  # the checkpoint covers the rounds the log missed
         self.pause_spool(False)

@@ -225,7 +225,9 @@ class SparseLoCoOuter(OuterOptimizer):
                                 default=0.0)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"broadcast_error_feedback": self.compressor.state_dict()} if self.compressor else {}
+        """The aggregate's error feedback, its live buffers (as DiLoCo's momentum): the
+        checkpoint writes them between two rounds, on the round loop's thread."""
+        return {"broadcast_error_feedback": self.compressor.state_dict(copy=False)} if self.compressor else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("broadcast_error_feedback")

@@ -376,10 +376,12 @@ class CoordinatorState:
         with self.lock:
             return self.registry.to_dict()
 
-    def params_copy(self) -> list[Tensor]:
-        """A copy of the parameters between rounds (never half applied)."""
+    @contextmanager
+    def params_between_rounds(self) -> Iterator[list[Tensor]]:
+        """The parameters themselves, never half applied: an apply (and FetchState) waits
+        until the block ends. A checkpoint writes them from here, copying nothing."""
         with self._params_lock:
-            return [p.detach().clone() for p in self.params]
+            yield self.params
 
     def digest(self) -> str:
         return param_digest(self.params)

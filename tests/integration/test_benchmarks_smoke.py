@@ -135,6 +135,7 @@ def test_security_benchmarks_quick_run_ends_with_json_line(name: str) -> None:
             assert (r["broadcast_density"], r["broadcast_passes"]) == (n / 64, 1), r
             assert r["download_bytes_per_worker"] < rows["frames", n]["download_bytes_per_worker"], r
         assert all(r["coordinator_upload_bytes"] == r["n"] * r["download_bytes_per_worker"] for r in rows.values())
+        assert all(r["checkpoint_rss_mb"] > 0 for r in rows.values())  # a checkpoint written after the rounds
 
 
 CODEC_KEYS = {"bits_per_param", "ratio_vs_fp32", "ratio_vs_bf16", "encode_gbps", "decode_apply_gbps",
