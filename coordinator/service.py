@@ -196,8 +196,8 @@ class CoordinatorServicer(geoloco_pb2_grpc.CoordinatorServicer):
     def FetchState(self, request: pb.FetchStateRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.StateChunk]:
         record = self._authenticate(request.worker_id, request.session, context)
-        with self._slot(record.worker_id, "FetchState", context):
-            round, digest, data = self.state.snapshot(record)
+        with self._slot(record.worker_id, "FetchState", context), self.state.snapshot(record) as snap:
+            round, digest, data = snap
             task = self.task_for(record.worker_id, round)
             log.info("worker %d fetches the state of round %d (%d bytes)", record.worker_id, round,
                      len(data))

@@ -94,7 +94,8 @@ class CoordinatorState:
         self.delivered_finish: set[int] = set()
         self.stopping = False
         self._params_lock = threading.Lock()
-        self._snapshot: StateSnapshot | None = None
+        self._snapshot: StateSnapshot | None = None  # shared by the FetchState calls sending it
+        self._snapshot_users = 0
         self._registry_write = threading.Lock()  # one registry.json write at a time
         self._registry_version = 0
         self._registry_written: tuple[int, dict[int, dict[str, Any]] | None] = (0, None)
@@ -155,8 +156,18 @@ class CoordinatorState:
                                     "restarted since your Join; join again (reclaim_worker_id)")
             return record
 
-    def snapshot(self, record: WorkerRecord) -> StateSnapshot:
-        """The parameters at the current round's start (the worker counts as ready)."""
+    @property
+    def snapshot_users(self) -> int:
+        """FetchState calls sending the state frame now."""
+        with self.lock:
+            return self._snapshot_users
+
+    @contextmanager
+    def snapshot(self, record: WorkerRecord) -> Iterator[StateSnapshot]:
+        """The parameters at the current round's start as one dense frame, while the block
+        sends it (the worker counts as ready). FetchState calls at once share one (every
+        worker fetches at round 0); the last to end lets it go, since it is a model's size
+        and a later fetch is of a later round."""
         with self.lock:
             record.state_fetches += 1
             self.ready.add(record.worker_id)
@@ -165,10 +176,19 @@ class CoordinatorState:
                 self.totals.extra_state_fetches += 1
         with self._params_lock:
             round = self.rs.round
-            if self._snapshot is None or self._snapshot.round != round:
+            snap = self._snapshot
+            if snap is None or snap.round != round:
                 data = encode_dense(self.layout, self.params, round=round, sender=0, dtype="fp32")
-                self._snapshot = StateSnapshot(round, self.digest(), data)
-            return self._snapshot
+                snap = self._snapshot = StateSnapshot(round, self.digest(), data)
+        with self.lock:
+            self._snapshot_users += 1
+        try:
+            yield snap
+        finally:
+            with self.lock:
+                self._snapshot_users -= 1
+                if not self._snapshot_users:
+                    self._snapshot = None
 
     def check_push(self, worker: int, round: int) -> None:
         """RoundError (counted) if ``worker`` may not push for ``round`` now."""

@@ -139,7 +139,11 @@ def test_broadcast_goes_first_and_fetch_state_waits_for_the_apply(tmp_path: Path
         update = run.loop.outer.step(rs.round, rs.chosen(), rs.decision)
         closed = round_result(rs, update, {}, finished=False)
         fetched = []
-        fetch = threading.Thread(target=lambda: fetched.append(run.state.snapshot(a)))
+        def fetch_state() -> None:
+            with run.state.snapshot(a) as snap:
+                fetched.append(snap)
+
+        fetch = threading.Thread(target=fetch_state)
         with run.state.publishing(closed):
             assert sub.get_nowait() is closed and not closed.digest.done()
             fetch.start()
@@ -149,6 +153,19 @@ def test_broadcast_goes_first_and_fetch_state_waits_for_the_apply(tmp_path: Path
         fetch.join(WAIT_S)
     (snapshot,) = fetched
     assert snapshot.round == 1 and snapshot.digest == closed.digest.result(timeout=0)
+
+
+def test_fetches_at_once_share_one_state_frame_and_the_last_lets_it_go(tmp_path: Path) -> None:
+    """The dense state frame is a model's size: FetchState calls sending it at once share
+    one (every worker fetches at round 0), and the coordinator keeps none between fetches."""
+    run = Run(tmp_path, workers=2)
+    a, b = run.records
+    with run.state.snapshot(a) as first, run.state.snapshot(b) as second:
+        assert second is first
+    assert run.state.snapshot_users == 0
+    with run.state.snapshot(a) as later:
+        assert later is not first and later == first  # made again: the same round's frame, byte for byte
+    assert run.state.snapshot_users == 0
 
 
 def test_refused_pushes_count_as_rejected_or_late_on_the_round_they_met(tmp_path: Path) -> None:
