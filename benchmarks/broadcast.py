@@ -74,7 +74,8 @@ QUICK = {"ns": "2,4", "seeds": 2, "rounds": 3, "inner_steps": 2, "seq_len": 16, 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ns", default=",".join(map(str, DEFAULT_NS)), help="worker counts of question 1")
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0 .. SEEDS-1")
+    p.add_argument("--seeds", type=int, default=5, help="seeds FIRST_SEED .. FIRST_SEED + SEEDS - 1")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0)")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--inner-steps", type=int, default=15, help="H")
     p.add_argument("--warmup", type=float, default=0.15, help="warm-up, a fraction of all inner steps")
@@ -121,10 +122,14 @@ def run_one(cfg: RunConfig) -> dict[str, float]:
             "seconds": time.monotonic() - start}
 
 
+def seeds_of(args: argparse.Namespace) -> list[int]:
+    return list(range(args.first_seed, args.first_seed + args.seeds))
+
+
 def train_all(args: argparse.Namespace, ns: list[int]) -> dict[tuple[int, str, int], dict[str, float]]:
     """Every (n, mode, seed) run, ``args.jobs`` at a time, the largest n first; a line per
     finished run on stderr."""
-    keys = [(n, mode, seed) for n in sorted(ns, reverse=True) for seed in range(args.seeds) for mode in MODES]
+    keys = [(n, mode, seed) for n in sorted(ns, reverse=True) for seed in seeds_of(args) for mode in MODES]
     start, out = time.monotonic(), {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         pending = {pool.submit(run_one, run_config(args, *key)): key for key in keys}
@@ -176,8 +181,8 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for n in ns:
         cfg = run_config(args, n, "aggregate")
-        frames = [runs[n, "frames", s] for s in range(args.seeds)]
-        aggregate = [runs[n, "aggregate", s] for s in range(args.seeds)]
+        frames = [runs[n, "frames", s] for s in seeds_of(args)]
+        aggregate = [runs[n, "aggregate", s] for s in seeds_of(args)]
         ratios = [a["loss"] / f["loss"] for a, f in zip(aggregate, frames, strict=True)]
         upload = statistics.mean(r["upload"] for r in frames)
         worker_synthetic, coordinator = frame_bytes(cfg, model_layout(cfg), n)
@@ -191,7 +196,8 @@ def loss_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def print_loss(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"1. loss at equal tokens: {args.model}, {args.rounds} rounds of H={args.inner_steps}, batch "
-          f"{args.batch_size}x{args.seq_len}, seeds 0-{args.seeds - 1}; ratio = aggregate / frames of the same seed")
+          f"{args.batch_size}x{args.seq_len}, seeds {seeds_of(args)[0]}-{seeds_of(args)[-1]}; ratio = aggregate / frames "
+          "of the same seed")
     print(f"{'n':>4}  {'ratios':<{8 * args.seeds}}{'mean':>8}{'upper95':>9}  {'<= 1.01':<8}{'density':>9}"
           f"{'bcast':>8}{'passes':>7}{'down frames B':>15}{'down aggr B':>13}{'aggr/frames':>12}")
     for r in rows:
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         print_loss(args, rows)
         report.update(rows=rows, ratio_mean_worst=max(r["ratio_mean"] for r in rows),
                       ratio_upper95_worst=max(r["ratio_upper95"] for r in rows), rounds=args.rounds,
-                      inner_steps=args.inner_steps, seeds=list(range(args.seeds)), model=args.model,
+                      inner_steps=args.inner_steps, seeds=seeds_of(args), model=args.model,
                       batch=[args.batch_size, args.seq_len], val_windows=args.val_windows)
     if args.only != "loss":
         report["round_time"] = round_time(args)

@@ -12,8 +12,9 @@ four frames, so its download grows with n up to n = 64; ``--broadcast-density 0.
 Per mode and n it prints the coordinator's round-close time (the last frame's bytes in -> validated,
 broadcast, applied and digested: metrics.jsonl's close_seconds + coordinator_apply_seconds),
 frames/s and MB/s decoded over that time, p50/p99 push latency as the workers saw it, the
-coordinator's peak RSS over the rounds and while it then writes a checkpoint (its
-parameters, and under ``aggregate`` its error feedback), the bytes each worker downloads
+coordinator's peak RSS over the rounds, while one worker fetches the state before them
+(``fetch RSS``: its dense frame, a model's size) and while it writes a checkpoint after them
+(``ckpt RSS``: its parameters, and under ``aggregate`` its error feedback), the bytes each worker downloads
 per round and the coordinator's upload per round (n x that: the simulated workers do not
 follow the Rounds stream, so it is computed from the round result's size, not sent); then
 where the close
@@ -156,21 +157,21 @@ def serve(n: int, run_dir: Path, quick: bool, broadcast: str, density: float | N
     return 0
 
 
-def reset_peak_rss() -> bool:
-    """Set this process's peak resident set (VmHWM) to its present one (Linux's clear_refs
+def reset_peak_rss(pid: int | str = "self") -> bool:
+    """Set a process's peak resident set (VmHWM) to its present one (Linux's clear_refs
     "5"); False where that is not possible."""
     try:
-        Path("/proc/self/clear_refs").write_text("5")
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
         return True
     except OSError:
         return False
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set since it started, in MB of 10^6 bytes like every
-    other figure here (VmHWM, in KiB: reset at exec, unlike getrusage's maximum, which a
-    forked child inherits from its parent)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+def peak_rss_mb(pid: int | str = "self") -> float:
+    """A process's peak resident set since it started (or since ``reset_peak_rss``), in MB
+    of 10^6 bytes like every other figure here (VmHWM, in KiB: reset at exec, unlike
+    getrusage's maximum, which a forked child inherits from its parent)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024 / 1e6
     return float("nan")
@@ -197,6 +198,13 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
         stub = geoloco_pb2_grpc.CoordinatorStub(channel)
         request = pb.JoinRequest(token=TOKEN, protocol_version=transport.PROTOCOL_VERSION)
         joins = [stub.Join(request, timeout=60) for _ in range(n)]
+        # one of them fetches the state of round 0, as every real worker does (the coordinator
+        # must not keep its dense frame, a model's size, for the rounds after)
+        fetch = pb.FetchStateRequest(worker_id=joins[0].worker_id, session=joins[0].session)
+        state_bytes = sum(len(c.data) for c in stub.FetchState(fetch, timeout=600))
+        assert state_bytes > 4 * sum(s.numel for s in layout_for(quick).specs), state_bytes
+        fetch_rss = peak_rss_mb(proc.pid)  # the coordinator's peak so far: the fetch's
+        reset_peak_rss(proc.pid)  # the rounds' peak from here
         latencies: list[float] = []
         lock = threading.Lock()
 
@@ -242,7 +250,7 @@ def measure(n: int, base: bytes, quick: bool, tmp: Path, broadcast: str = "frame
             "broadcast_passes": broadcast_passes(cfg), "close_s": close, "frames_per_s": n / close,
             "mb_per_s": n * len(base) / close / 1e6,
             "push_p50_s": latencies[len(latencies) // 2], "push_p99_s": latencies[int(0.99 * (len(latencies) - 1))],
-            "peak_rss_mb": peaks["rounds"], "checkpoint_rss_mb": peaks["checkpoint"],
+            "peak_rss_mb": peaks["rounds"], "checkpoint_rss_mb": peaks["checkpoint"], "fetch_rss_mb": fetch_rss,
             "download_bytes_per_worker": down, "coordinator_upload_bytes": n * down,
             "sent_as": sorted({m["broadcast"] for m in lines}), **close_breakdown(lines)}
 
@@ -337,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
           f"decode_apply of one frame {one * 1e3:.1f} ms (median over the runs; each run's target takes "
           f"its own, measured just before and after it)")
     print(f"{'mode':>9} {'n':>4} {'close s':>8} {'target s':>9} {'dec.ap ms':>9} {'frames/s':>9} {'push p50':>9} "
-          f"{'push p99':>9} {'peak RSS MB':>12} {'ckpt RSS MB':>12} {'RSS target':>11} {'down/worker MB':>15} "
+          f"{'push p99':>9} {'peak RSS MB':>12} {'fetch RSS':>10} {'ckpt RSS':>9} {'RSS target':>11} {'down/worker MB':>15} "
           f"{'coord up MB':>12}"
           f"  {'aggregate':<9}")
     for r in rows:
@@ -347,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['broadcast']:>9} {r['n']:>4} {r['close_s']:>8.3f} {r['close_target_s']:>9.3f} "
               f"{r['decode_apply_s'] * 1e3:>9.2f} "
               f"{r['frames_per_s']:>9.1f} {r['push_p50_s']:>9.3f} {r['push_p99_s']:>9.3f} "
-              f"{r['peak_rss_mb']:>12.0f} {r['checkpoint_rss_mb'] or float('nan'):>12.0f} {r['rss_target_mb']:>11.0f} "
+              f"{r['peak_rss_mb']:>12.0f} {r['fetch_rss_mb']:>10.0f} {r['checkpoint_rss_mb'] or float('nan'):>9.0f} "
+              f"{r['rss_target_mb']:>11.0f} "
               f"{r['download_bytes_per_worker'] / 1e6:>15.2f} {r['coordinator_upload_bytes'] / 1e6:>12.1f}  "
               + (f"{r['broadcast_density']:g} x {r['broadcast_passes']}" if r["broadcast"] != "frames" else "-"))
     print("\nwhere the close goes (s, median over rounds; resident MB at the end of each phase, max):")

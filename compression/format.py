@@ -44,6 +44,7 @@ _HEADER = struct.Struct("<4sBBBB16sQIIQHIQ")
 _SECTION = struct.Struct("<BQQ")
 _CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size
+SECTION_BYTES = _SECTION.size
 CRC_BYTES = _CRC.size
 
 DENSE_DTYPES = {DTYPE_FP32: (torch.float32, 4, "fp32"), DTYPE_BF16: (torch.bfloat16, 2, "bf16")}
@@ -138,13 +139,42 @@ def _section(raw: bytes, use_zstd: bool) -> bytes:
 
 def write_frame(kind: int, p1: int, p2: int, layout: Layout, round: int, sender: int,
                 tile: int, k_full: int, sections: list[bytes], use_zstd: bool) -> bytes:
-    if not 0 <= round < 2**64 or not 0 <= sender < 2**32:
-        raise ValueError(f"round must be in [0, 2**64) and sender in [0, 2**32), got {round}, {sender}")
     body = b"".join(_section(s, use_zstd) for s in sections)
-    head = _HEADER.pack(MAGIC, VERSION, kind, p1, p2, layout.digest, round, sender,
-                        len(layout.specs), layout.numel, tile, k_full, len(body))
+    head = _header(kind, p1, p2, layout, round, sender, tile, k_full, len(body))
     crc = zlib.crc32(body, zlib.crc32(head))
     return head + body + _CRC.pack(crc)
+
+
+def _header(kind: int, p1: int, p2: int, layout: Layout, round: int, sender: int, tile: int, k_full: int,
+            body_len: int) -> bytes:
+    if not 0 <= round < 2**64 or not 0 <= sender < 2**32:
+        raise ValueError(f"round must be in [0, 2**64) and sender in [0, 2**32), got {round}, {sender}")
+    return _HEADER.pack(MAGIC, VERSION, kind, p1, p2, layout.digest, round, sender,
+                        len(layout.specs), layout.numel, tile, k_full, body_len)
+
+
+def raw_frame(kind: int, p1: int, layout: Layout, round: int, sender: int, raw_len: int) -> tuple[bytearray, int]:
+    """A frame of one raw section of ``raw_len`` bytes (a dense frame without zstd), as one
+    buffer to fill in place: the header and the section's are written; the section starts at
+    the offset returned; ``seal_frame`` then writes the checksum. ``write_frame``'s bytes,
+    without its copies of the section (a model's size for the coordinator's state)."""
+    head = _header(kind, p1, 0, layout, round, sender, 0, 0, _SECTION.size + raw_len)
+    out = bytearray(len(head) + _SECTION.size + raw_len + CRC_BYTES)
+    out[:len(head)] = head
+    _SECTION.pack_into(out, len(head), 0, raw_len, raw_len)
+    return out, len(head) + _SECTION.size
+
+
+def seal_frame(out: bytearray) -> bytearray:
+    """``raw_frame``'s buffer, filled, with its checksum written."""
+    end = len(out) - CRC_BYTES
+    _CRC.pack_into(out, end, zlib.crc32(memoryview(out)[:end]))
+    return out
+
+
+def dense_frame_bytes(layout: Layout, dtype: str = "fp32") -> int:
+    """The size of a dense frame of ``layout`` without zstd."""
+    return HEADER_BYTES + _SECTION.size + layout.numel * DENSE_DTYPES[DENSE_DTYPE_CODES[dtype]][1] + CRC_BYTES
 
 
 # ----------------------------------------------------------------------------- reading

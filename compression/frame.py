@@ -7,20 +7,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from . import registry
 from .backend import ApplyInto, CodecBackend, SparseBody
 from .format import (
+    CRC_BYTES,
     CRC_MISMATCH,
     DENSE_DTYPE_CODES,
     DENSE_DTYPES,
+    HEADER_BYTES,
     KIND_DENSE,
+    SECTION_BYTES,
     FrameError,
     check_layout,
+    raw_frame,
     read_dense,
     read_header,
     read_sparse,
+    seal_frame,
     write_frame,
 )
 from .layout import Layout
@@ -144,16 +150,30 @@ def read_frame(data: bytes, layout: Layout, decoder: CodecBackend, into: ApplyIn
 def encode_dense(layout: Layout, tensors: Sequence[torch.Tensor], *, round: int, sender: int, dtype: str = "fp32",
                  zstd: bool = False) -> bytes:
     """A dense frame carrying ``tensors`` (any float dtype, any device) as fp32 or bf16."""
+    frame = encode_dense_buffer(layout, tensors, round=round, sender=sender, dtype=dtype)
+    if not zstd:
+        return bytes(frame)
+    raw = memoryview(frame)[HEADER_BYTES + SECTION_BYTES:len(frame) - CRC_BYTES]
+    return write_frame(KIND_DENSE, DENSE_DTYPE_CODES[dtype], 0, layout, round, sender, 0, 0, [raw], True)
+
+
+def encode_dense_buffer(layout: Layout, tensors: Sequence[torch.Tensor], *, round: int, sender: int,
+                        dtype: str = "fp32") -> bytearray:
+    """``encode_dense`` without zstd, as a buffer written in place: the frame is the only
+    copy of the tensors' bytes it makes (the coordinator's state frame is a model's size)."""
     if dtype not in DENSE_DTYPE_CODES:
         raise ValueError(f"dense dtype must be 'fp32' or 'bf16', got {dtype!r}")
     tensors = list(tensors)
     layout.check_tensors(tensors)
     code = DENSE_DTYPE_CODES[dtype]
-    tdtype = DENSE_DTYPES[code][0]
-    parts = []
+    tdtype, itemsize = DENSE_DTYPES[code][0], DENSE_DTYPES[code][1]
+    out, offset = raw_frame(KIND_DENSE, code, layout, round, sender, layout.numel * itemsize)
     for spec, t in zip(layout.specs, tensors, strict=True):
         if not torch.isfinite(t).all():
             raise ValueError(f"tensor {spec.name!r} contains NaN or Inf")
         x = t.detach().reshape(-1).to(tdtype).cpu().contiguous()
-        parts.append(x.view(torch.int16 if tdtype == torch.bfloat16 else torch.int32).numpy().tobytes())
-    return write_frame(KIND_DENSE, code, 0, layout, round, sender, 0, 0, [b"".join(parts)], zstd)
+        size = x.numel() * itemsize
+        into = np.frombuffer(out, dtype=np.uint8, count=size, offset=offset)
+        into[:] = x.view(torch.uint8).numpy()
+        offset += size
+    return seal_frame(out)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-from geoloco.compression import encode_dense
+from geoloco.compression.format import dense_frame_bytes
 from geoloco.config import RunConfig
 from geoloco.coordinator import checkpoint, roundlog
 from geoloco.coordinator.bounds import FrameBounds
@@ -353,8 +353,7 @@ class RoundLoop:
         totals.wall_seconds += time.monotonic() - self._started_at
         self._started_at = time.monotonic()
         self.try_checkpoint(self.state.open_round())
-        dense = len(encode_dense(self.state.layout, self.state.params, round=0, sender=0,
-                                 dtype="fp32"))
+        dense = dense_frame_bytes(self.state.layout, "fp32")  # what the summary compares frames with
         path = self.metrics.write_summary(totals.summary(dense))
         log.info("run %s after %d rounds: val loss %s -> %s; summary %s",
                  "finished" if totals.rounds >= self.cfg.rounds else "stopped", totals.rounds,

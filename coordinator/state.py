@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from geoloco.compression import Layout, encode_dense
+from geoloco.compression import Layout
+from geoloco.compression.frame import encode_dense_buffer
 from geoloco.coordinator.metrics import ClosePhases, RunTotals
 from geoloco.coordinator.outer import Update, apply_update
 from geoloco.coordinator.registry import RegistryError, WorkerRecord, WorkerRegistry
@@ -44,7 +45,7 @@ class StateSnapshot(NamedTuple):
 
     round: int
     digest: str
-    data: bytes
+    data: bytes | bytearray  # written in place (compression.frame.encode_dense_buffer), then only read
 
 
 class Overview(NamedTuple):
@@ -178,7 +179,7 @@ class CoordinatorState:
             round = self.rs.round
             snap = self._snapshot
             if snap is None or snap.round != round:
-                data = encode_dense(self.layout, self.params, round=round, sender=0, dtype="fp32")
+                data = encode_dense_buffer(self.layout, self.params, round=round, sender=0, dtype="fp32")
                 snap = self._snapshot = StateSnapshot(round, self.digest(), data)
         with self.lock:
             self._snapshot_users += 1

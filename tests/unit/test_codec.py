@@ -26,13 +26,17 @@ from geoloco.compression import (
     set_codec_threads,
 )
 from geoloco.compression.format import (
+    DENSE_DTYPE_CODES,
     HEADER_BYTES,
     INDEX_RICE,
+    KIND_DENSE,
     KIND_SPARSE,
     TABLE_PER_CHUNK,
+    dense_frame_bytes,
     read_sections,
     write_frame,
 )
+from geoloco.compression.frame import encode_dense_buffer
 from geoloco.compression.layout import frame_geometry
 from geoloco.compression.registry import BACKENDS
 
@@ -190,6 +194,23 @@ def test_dense_frames_roundtrip(dtype, zstd):
     for d, u in zip(ds, f.to_dense(), strict=False):
         want = d.to(torch.bfloat16).float() if dtype == "bf16" else d.float()
         assert torch.equal(u, want)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("zstd", [False, True])
+def test_a_dense_frame_written_in_place_is_the_formats_bytes(dtype, zstd):
+    """encode_dense (and encode_dense_buffer, the coordinator's state frame) fills one buffer
+    in place: the bytes are write_frame's of the tensors' bytes joined, and its size
+    dense_frame_bytes, without zstd."""
+    ds = deltas()
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    raw = b"".join(d.reshape(-1).to(tdtype).contiguous().view(torch.int16 if dtype == "bf16" else torch.int32)
+                   .numpy().tobytes() for d in ds)
+    want = write_frame(KIND_DENSE, DENSE_DTYPE_CODES[dtype], 0, LAYOUT, 4, 2, 0, 0, [raw], zstd)
+    assert encode_dense(LAYOUT, ds, round=4, sender=2, dtype=dtype, zstd=zstd) == want
+    if not zstd:
+        assert encode_dense_buffer(LAYOUT, ds, round=4, sender=2, dtype=dtype) == want
+        assert dense_frame_bytes(LAYOUT, dtype) == len(want)
 
 
 def test_zstd_sparse_frames_decode_to_the_same_update():
