@@ -556,7 +556,11 @@ class Worker:
             self.trained = None  # trained from another θ
         self.drop_overlap()
         self.catching_up = self.catching_up or self.round >= 0  # not the first fetch: catch up
-        dense = decode_frame(state.data, self.training.layout).to_dense(torch.device("cpu"))
+        layout = self.training.layout
+        frame = decode_frame(state.data, layout)
+        dense = ([t.view(spec.shape) for t, spec in zip(frame.dense, layout.specs, strict=True)]
+                 if frame.kind == "dense" else frame.to_dense(torch.device("cpu")))  # views of the decoded frame
+        del frame
         if self.training.state is not None:  # each rank of the island keeps its pieces
             self.island.send("load")
             self.training.state.load(dense)
